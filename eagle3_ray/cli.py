@@ -52,8 +52,7 @@ def extract_config(a: argparse.Namespace):
 
 def cmd_extract(a):
     from eagle3_ray.extract import run_extract
-    init_ray(a.address)
-    run_extract(extract_config(a))
+    run_extract(extract_config(a), a.address)
 
 
 def cmd_demo(a):
@@ -61,9 +60,8 @@ def cmd_demo(a):
     from eagle3_ray.extract import ExtractConfig, run_extract
     if a.fresh and os.path.isdir(a.run_dir):
         shutil.rmtree(a.run_dir)
-    init_ray(a.address)
     run_extract(ExtractConfig(output=os.path.join(a.run_dir, "data"), sample_limit=a.samples,
-                              max_length=a.max_length, batch_rows=16))
+                              max_length=a.max_length, batch_rows=16), a.address)
 
 
 def cmd_bench(a):
@@ -90,9 +88,9 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
     b.add_argument("what", choices=["extract"])
-    b.add_argument("--samples", type=int, default=64)
+    b.add_argument("--samples", type=int, default=128)
     b.add_argument("--max-length", type=int, default=512)
-    b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--out", default="runs/bench")
     b.add_argument("--address")
     b.set_defaults(fn=cmd_bench)

@@ -47,7 +47,8 @@ class ExtractConfig:
     cpus_per_replica: float = 1.0        # Ray CPUs per CPU-only replica (GPU replicas take 0.25)
     torch_threads: int = 0               # CPU replicas: torch threads; 0 = cores // replicas
     token_budget: int = 16384            # padded tokens per verifier forward (micro-batch)
-    batch_rows: int = 64                 # samples per Ray Data batch = per Parquet part
+    batch_rows: int = 64                 # samples per Ray Data batch (= per Parquet part, unless
+    part_bytes: int = 1 << 30            # ... its hidden states pass this size: then several)
     tokenizer_actors: int = 1            # CPU actors running the chat template + mask
     dtype: str | None = None             # verifier compute dtype; None = bf16 on GPU, fp32 on CPU
     regenerate: bool = False             # the verifier rewrites the assistant turns first
@@ -137,8 +138,7 @@ class VerifierExtractor:
                 if r["skip_reason"]:
                     skipped[r["skip_reason"]] += 1
             rows = [r for r in rows if not r["skip_reason"]]
-        out = {"sample_id": [], "input_ids": [], "loss_mask": [], "num_tokens": [],
-               "aux_hidden_states": [], "last_hidden_states": []}
+        out, files, stats = self._empty_part(), [], collections.Counter()
         for group in pack_by_token_budget([len(r["input_ids"]) for r in rows], self.cfg.token_budget):
             aux, last = self._forward([rows[i]["input_ids"] for i in group])
             for j, i in enumerate(group):
@@ -149,17 +149,30 @@ class VerifierExtractor:
                 out["num_tokens"].append(n)
                 out["aux_hidden_states"].append(schema.encode_bf16(aux[j, :n]))    # [S, 3, H]
                 out["last_hidden_states"].append(schema.encode_bf16(last[j, :n]))  # [S, H]
+                stats["bytes"] += 8 * n * aux.shape[-1]
+            if stats["bytes"] >= self.cfg.part_bytes:  # bound memory: flush a part
+                files.append(self._write(out, stats))
+                out, stats["bytes"] = self._empty_part(), 0
         self._maybe_die()
-        name = ""
         if out["sample_id"]:
-            name = schema.write_part(self.fs, self.root, pa.table(out, schema=schema.SCHEMA),
-                                     self.facts)
+            files.append(self._write(out, stats))
         return pa.table({
-            "file": [name], "samples": [len(out["sample_id"])], "tokens": [sum(out["num_tokens"])],
-            "loss_tokens": [sum(sum(m) for m in out["loss_mask"])],
-            "skipped": [json.dumps(dict(skipped))], "seconds": [time.perf_counter() - t0],
-            "init_s": [self._take_init_s()],
+            "file": [",".join(files)], "samples": [stats["samples"]], "tokens": [stats["tokens"]],
+            "loss_tokens": [stats["loss_tokens"]], "skipped": [json.dumps(dict(skipped))],
+            "seconds": [time.perf_counter() - t0], "init_s": [self._take_init_s()],
         }, schema=SUMMARY_SCHEMA)
+
+    @staticmethod
+    def _empty_part() -> dict:
+        return {k: [] for k in schema.SCHEMA.names}
+
+    def _write(self, out: dict, stats: collections.Counter) -> str:
+        """Write one part. Parts split a batch in a deterministic order (length-sorted), so a
+        retried batch rewrites the same files."""
+        stats["samples"] += len(out["sample_id"])
+        stats["tokens"] += sum(out["num_tokens"])
+        stats["loss_tokens"] += sum(sum(m) for m in out["loss_mask"])
+        return schema.write_part(self.fs, self.root, pa.table(out, schema=schema.SCHEMA), self.facts)
 
     def _take_init_s(self) -> float:
         init_s, self.init_s = self.init_s, 0.0
@@ -267,16 +280,16 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
     fs, root = schema.resolve_fs(cfg.output)
     files, seen, tokens, loss_tokens, nbytes = [], set(), 0, 0, 0
     for path in schema.list_parts(fs, root):
-        ids = schema.read_column(fs, path, "sample_id")
+        p = schema.part_stats(fs, path)
+        ids = p["sample_ids"]
         dup = seen.intersection(ids)
         if dup or len(set(ids)) != len(ids):
             raise RuntimeError(f"{path}: duplicated sample ids {sorted(dup)[:5]}")
         seen.update(ids)
-        n = sum(schema.read_column(fs, path, "num_tokens"))
-        lt = sum(sum(m) for m in schema.read_column(fs, path, "loss_mask"))
-        size = fs.get_file_info(path).size
-        files.append({"name": os.path.basename(path), "rows": len(ids), "tokens": n, "bytes": size})
-        tokens, loss_tokens, nbytes = tokens + n, loss_tokens + lt, nbytes + size
+        files.append({"name": os.path.basename(path), "rows": len(ids), "tokens": p["tokens"],
+                      "bytes": p["bytes"]})
+        tokens, loss_tokens = tokens + p["tokens"], loss_tokens + p["loss_tokens"]
+        nbytes += p["bytes"]
     skipped = collections.Counter(read_stats.skipped)
     skipped.update(run["skipped"])
     summary = {
@@ -294,11 +307,12 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
     return manifest
 
 
-def run_extract(cfg: ExtractConfig) -> dict:
-    """Run (or resume) extraction; returns the manifest. Starts a local Ray if none is up."""
-    import ray
-    if not ray.is_initialized():
-        ray.init()
+def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
+    """Run (or resume) extraction; returns the manifest. Checks the inputs and the verifier
+    first, then connects to Ray at `address` / $RAY_ADDRESS or starts a local one."""
+    from eagle3_ray.launch import init_ray
+    data.expand_inputs(cfg.inputs), verifier.resolve(cfg.verifier)  # fail fast, before Ray
+    init_ray(address)
     t0 = time.perf_counter()
     tok, config = verifier.load_tokenizer(cfg.verifier), verifier.load_config(cfg.verifier)
     facts = dataset_facts(cfg, config, tok)

@@ -153,6 +153,17 @@ def read_column(fs: pafs.FileSystem, path: str, column: str) -> list:
         return pq.read_table(f, columns=[column]).column(column).to_pylist()
 
 
+def part_stats(fs: pafs.FileSystem, path: str) -> dict:
+    """sample ids, token and loss-token counts and size of one part, hidden states unread."""
+    import pyarrow.compute as pc
+    with fs.open_input_file(path) as f:
+        t = pq.read_table(f, columns=["sample_id", "num_tokens", "loss_mask"])
+    return {"sample_ids": t.column("sample_id").to_pylist(),
+            "tokens": int(pc.sum(t.column("num_tokens")).as_py() or 0),
+            "loss_tokens": int(pc.sum(pc.list_flatten(t.column("loss_mask"))).as_py() or 0),
+            "bytes": fs.get_file_info(path).size}
+
+
 # --- manifest and checks --------------------------------------------------------------------
 
 def manifest_path(uri: str) -> str:

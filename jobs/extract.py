@@ -9,13 +9,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from eagle3_ray.cli import add_extract_args, extract_config
-from eagle3_ray.launch import init_ray, run_main
+from eagle3_ray.launch import run_main
 
 
 def main(a):
     from eagle3_ray.extract import run_extract
-    init_ray(a.address)
-    run_extract(extract_config(a))
+    run_extract(extract_config(a), a.address)
 
 
 if __name__ == "__main__":

@@ -113,8 +113,11 @@ def test_actor_killed_mid_batch_is_restarted_and_nothing_duplicated(ray_cluster,
                                                                     conv_file, tmp_path):
     marker = tmp_path / "died"
     out = tmp_path / "ds"
-    m = run_extract(config(tiny_verifier, conv_file, out, fault_injection=f"die_once:{marker}"))
-    assert marker.exists()  # the actor really died once (os._exit after its first forward)
+    # part_bytes=1: every micro-batch is flushed to its own part, so the actor dies after some
+    # of its batch is already on disk; the retried batch must rewrite exactly those files.
+    m = run_extract(config(tiny_verifier, f"file://{conv_file}", f"file://{out}", part_bytes=1,
+                           fault_injection=f"die_once:{marker}"))
+    assert marker.exists()  # the actor really died once (os._exit mid-batch)
     ids = [r["sample_id"] for r in read_rows(out)]
     assert len(ids) == len(set(ids)) and set(ids) == expected_ids(conv_file)
     assert m["summary"]["samples"] == len(ids)
@@ -174,8 +177,9 @@ def test_regenerate_writes_the_verifiers_own_answers(ray_cluster, tiny_verifier,
         assert tiny_tokenizer.decode(answer) == expected != msgs[-1]["content"]
 
 
-def test_bad_input_paths_are_clear_errors(ray_cluster, tiny_verifier, tmp_path):
+def test_bad_input_paths_are_clear_errors(ray_cluster, tiny_verifier, conv_file, tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         run_extract(config(tiny_verifier, str(tmp_path / "missing.jsonl"), tmp_path / "o"))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        run_extract(config(str(tmp_path), str(tmp_path), tmp_path / "o"))
+        run_extract(config(str(tmp_path), conv_file, tmp_path / "o"))
+    assert not (tmp_path / "o").exists()
