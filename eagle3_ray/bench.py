@@ -126,3 +126,135 @@ def _plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- bench train ----------------------------------------------------------------------------
+# One optimizer step of the TTT unroll (forward + backward + AdamW) at SmolLM2 shapes with random
+# weights, per ttt_steps, each in a fresh process so its memory high-water mark is its own.
+#
+#     python -c "from eagle3_ray.bench import bench_train; bench_train(ttt_steps=(1, 2), seq=256)"
+
+def _status_mib(field: str) -> float:
+    """VmRSS / VmHWM of this process from /proc/self/status, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def synthetic_loss_mask(seq: int, generator: torch.Generator) -> torch.Tensor:
+    """A chat-like mask: prompt runs (0) of 16-80 tokens, assistant runs (1) of 48-240 -> ~75%."""
+    mask, pos, turn = torch.zeros(seq, dtype=torch.long), 0, 0
+    while pos < seq:
+        lo, hi = (16, 80) if turn % 2 == 0 else (48, 240)
+        n = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+        mask[pos:pos + n] = turn % 2
+        pos, turn = pos + n, turn + 1
+    return mask  # [S]
+
+
+def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmup: int,
+                       seed: int) -> dict:
+    """Runs in a fresh (spawned) process: build, then time `warmup + steps` optimizer steps."""
+    import resource
+    import statistics
+    from eagle3_ray import ttt
+    from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    c = DraftConfig(**shapes)
+    h, v, vd, s = c.hidden_size, c.vocab_size, c.draft_vocab_size, seq
+    drafter = Eagle3Drafter(c)
+    head = torch.randn(v, h, generator=g) * 0.02                          # verifier lm_head [V, H]
+    # Non-draft rows a bit weaker, so most teacher argmaxes fall in the draft vocab, as on real data.
+    teacher = Teacher(torch.ones(h), head[:vd].clone(), head[vd:] * 0.8, c.rms_norm_eps)
+    batch = {"input_ids": torch.randint(0, v, (1, s), generator=g),
+             "loss_mask": synthetic_loss_mask(s, g)[None],                # [1, S]
+             "attention_mask": torch.ones(1, s, dtype=torch.long),
+             "aux_hidden_states": torch.randn(1, s, 3 * h, generator=g).to(torch.bfloat16),
+             "last_hidden_states": torch.randn(1, s, h, generator=g).to(torch.bfloat16)}
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    rss_before = _status_mib("VmRSS")
+    times, m = [], {}
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss, m = ttt.ttt_loss(drafter, teacher, batch, ttt_steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    peak = _status_mib("VmHWM")
+    return {"ttt_steps": ttt_steps, "step_s": statistics.median(times[warmup:]),
+            "step_times_s": times, "rss_before_mib": rss_before, "peak_mib": peak - rss_before,
+            "vm_hwm_mib": peak,
+            "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "valid_positions_step0": m["count"][0], "loss_mask_ones": int(batch["loss_mask"].sum()),
+            "torch_threads": torch.get_num_threads()}
+
+
+def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden: int = 576,
+                seq: int = 1024, draft_vocab: int = 8192, heads: int = 9, kv_heads: int = 3,
+                head_dim: int = 64, intermediate: int = 1536, vocab: int = 49152,
+                steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
+    """Step time and peak memory of TTT training vs ttt_steps (fp32, CPU, B=1, random weights).
+    Peak memory = the process's RSS high-water mark (VmHWM, = ru_maxrss of the fresh process)
+    minus its RSS right before the first step: the step's own memory (activations, grads, AdamW
+    state). Writes <out_dir>/train.json and train.png."""
+    import multiprocessing as mp
+    shapes = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab,
+                  draft_vocab_size=draft_vocab)
+    results = []
+    ctx = mp.get_context("spawn")
+    for k in ttt_steps:
+        with ctx.Pool(1) as pool:  # a fresh interpreter per configuration
+            r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed))
+        results.append(r)
+        print(f"[bench] train ttt_steps={k}: {r['step_s'] * 1000:.0f} ms/step, "
+              f"peak +{r['peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f} MiB")
+    base = results[0]
+    result = {
+        "bench": "train", "shapes": {**shapes, "seq": seq, "batch": 1, "dtype": "float32"},
+        "steps": steps, "warmup": warmup, "cpu_count": os.cpu_count(), "results": results,
+        "time_ratio_vs_first": {r["ttt_steps"]: r["step_s"] / base["step_s"] for r in results},
+        "memory_ratio_vs_first": {r["ttt_steps"]: r["peak_mib"] / base["peak_mib"]
+                                  for r in results},
+        "memory_mib_per_extra_step": [
+            (b["peak_mib"] - a["peak_mib"]) / (b["ttt_steps"] - a["ttt_steps"])
+            for a, b in zip(results, results[1:])],
+        "note": "step = ttt_loss forward + backward + AdamW step, median after warm-up; peak = "
+                "VmHWM of a fresh process minus its RSS before the first step. Targets: memory "
+                "at most linear in ttt_steps; time(16)/time(1) <= 10.",
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "train.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    _plot_train(result, os.path.join(out_dir, "train.png"))
+    print(f"[bench] train -> {out_dir}/train.json")
+    return result
+
+
+def _plot_train(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ks = [r["ttt_steps"] for r in result["results"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(ks, [r["step_s"] for r in result["results"]], "o-", color="#37a")
+    a.set_xlabel("ttt_steps")
+    a.set_ylabel("optimizer step (s)")
+    a.set_title("step time")
+    b.plot(ks, [r["peak_mib"] for r in result["results"]], "o-", color="#a52")
+    b.set_xlabel("ttt_steps")
+    b.set_ylabel("peak memory of a step (MiB)")
+    b.set_title("peak memory")
+    for ax in (a, b):
+        ax.set_xticks(ks)
+        ax.grid(alpha=0.3)
+    s = result["shapes"]
+    fig.suptitle(f"TTT training, H={s['hidden_size']} S={s['seq']} Vd={s['draft_vocab_size']}, "
+                 f"fp32 CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

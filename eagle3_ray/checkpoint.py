@@ -1,0 +1,421 @@
+"""The drafter checkpoint: a self-describing directory, and its export for SGLang/vLLM/speculators.
+
+A checkpoint directory holds three files, written atomically (temp dir + rename, so a crash
+never leaves a directory that looks complete):
+
+    model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V];
+                       no embed_tokens: the verifier's embedding is frozen and engines share it
+    config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout, aux layer ids in the vLLM
+                       convention (directly servable by vLLM), plus our full DraftConfig under
+                       "eagle3_ray"
+    meta.json          ttt_steps, dataset manifest hash, metrics, tool version, created time,
+                       sizes + sha256 of the two files above, whatever the caller passed
+
+`export(src, out, fmt)` writes exactly what each engine loads (model.safetensors + config.json).
+What each engine expects (read in their sources; no code taken):
+  - vLLM vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights):
+    renames "midlayer." -> "layers.0.", "d2t" -> draft_id_to_target_id, skips "t2d", and skips
+    embed_tokens when the checkpoint has none (vllm/v1/worker/gpu/spec_decode/eagle/utils.py
+    then shares the target's embedding). Registry maps architecture "LlamaForCausalLMEagle3"
+    to Eagle3LlamaForCausalLM. Residual: `norm_before_residual` read from the config, default
+    False there. Aux layers: vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+    (get_eagle3_aux_layers_from_config) reads the *top-level* `eagle_aux_hidden_state_layer_ids`
+    of the draft config, used as-is: vllm/model_executor/models/llama.py captures
+    `hidden_states + residual` *before* layer idx, i.e. the input of that layer.
+  - SGLang python/sglang/srt/model_executor/model_runner.py reads
+    `eagle_config["eagle_aux_hidden_state_layer_ids"]` (nested only), and
+    python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) captures at
+    `val + 1` for each configured id ("for the ith layer, it takes the output of the (i-1)th
+    layer"), capturing before layer i like vLLM. So SGLang id = vLLM id - 1.
+    python/sglang/srt/models/llama_eagle3.py: weights `fc`, `midlayer.*`, `norm` (loaded under
+    model.), `lm_head`; d2t -> hot_token_id = d2t + arange; t2d skipped; residual is the
+    un-normed hidden (norm_before_residual False); embed shared via set_embed.
+  - speculators (github:vllm-project/speculators) src/speculators/models/eagle3/config.py,
+    src/speculators/config.py, src/speculators/convert/eagle/eagle3_converter.py: config.json
+    with speculators_model_type "eagle3", transformer_layer_config (a LlamaConfig dict, its
+    vocab_size = target V), draft_vocab_size, norm_before_residual, target_hidden_size,
+    eagle_aux_hidden_state_layer_ids, speculators_config {algorithm, proposal_methods
+    [{proposal_type "greedy", speculative_tokens, ...}], default_proposal_method, verifier
+    {name_or_path, architectures}}; weights renamed "midlayer." -> "layers.0."; d2t/t2d
+    present only when draft_vocab_size != vocab_size (src/speculators/model.py _init_vocab).
+    vLLM's reader vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) uses
+    those ids as-is (vLLM convention) and defaults norm_before_residual to *True*, so we
+    always write it explicitly; base.py requires speculators_config.proposal_methods[0]
+    .speculative_tokens and .verifier.name_or_path.
+
+    python -c "import eagle3_ray.checkpoint as c; c.export('runs/train/drafter', 'runs/sglang', 'sglang')"
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eagle3_ray import __version__, schema
+from eagle3_ray.draft import DraftConfig
+from eagle3_ray.vocab import check_mapping
+
+WEIGHTS, CONFIG, META = "model.safetensors", "config.json", "meta.json"
+FILES = (WEIGHTS, CONFIG, META)
+FORMAT, FORMAT_VERSION = "eagle3_ray.drafter", 1
+EXPORT_FORMATS = ("sglang", "vllm", "speculators")
+# Our decoder layer keeps the *un-normed* fused hidden state as the residual, as SGLang's
+# llama_eagle3.py and SpecForge do. vLLM's speculators reader defaults this flag to True,
+# so every exported config states it.
+NORM_BEFORE_RESIDUAL = False
+# Keys a drafter state dict may carry that no engine loads, dropped on save: the frozen
+# verifier embedding (engines share the target's) and RoPE caches derived from rope_theta
+# (vLLM's llama_eagle3 load_weights has no parameter for them and would fail on the name).
+_DROPPED_NAMES = ("embed_tokens.weight",)
+_DROPPED_PARTS = ("rotary_emb.",)
+
+
+def _dropped(name: str) -> bool:
+    return name in _DROPPED_NAMES or any(p in name for p in _DROPPED_PARTS)
+SGLANG_LAYER_ID_CONVENTION = ("sglang: config id j captures the output of decoder layer j "
+                              "(= vLLM id j+1)")
+
+
+# --- names, shapes, config --------------------------------------------------------------------
+
+def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+    """Every tensor of a drafter checkpoint -> (shape, required dtype or None for any float)."""
+    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return {
+        "fc.weight": ((h, 3 * h), None),
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
+        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), None),
+        "midlayer.self_attn.o_proj.weight": ((h, q), None),
+        "midlayer.mlp.gate_proj.weight": ((i, h), None),
+        "midlayer.mlp.up_proj.weight": ((i, h), None),
+        "midlayer.mlp.down_proj.weight": ((h, i), None),
+        "midlayer.input_layernorm.weight": ((h,), None),
+        "midlayer.hidden_norm.weight": ((h,), None),
+        "midlayer.post_attention_layernorm.weight": ((h,), None),
+        "norm.weight": ((h,), None),
+        "lm_head.weight": ((cfg.draft_vocab_size, h), None),
+        "d2t": ((cfg.draft_vocab_size,), torch.int64),
+        "t2d": ((cfg.vocab_size,), torch.bool),
+    }
+
+
+def check_state_dict(state: dict[str, torch.Tensor], cfg: DraftConfig, where: str) -> None:
+    """Raise ValueError naming `where` and every missing / unexpected / misshaped tensor."""
+    want = expected_shapes(cfg)
+    problems = [f"missing {k}" for k in want if k not in state]
+    problems += [f"unexpected {k}" for k in state if k not in want]
+    for k, (shape, dtype) in want.items():
+        t = state.get(k)
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            problems.append(f"{k} has shape {list(t.shape)}, expected {list(shape)}")
+        if dtype is not None and t.dtype != dtype:
+            problems.append(f"{k} has dtype {t.dtype}, expected {dtype}")
+        if dtype is None and not t.is_floating_point():
+            problems.append(f"{k} has dtype {t.dtype}, expected a float type")
+    if problems:
+        raise ValueError(f"{where}: not a drafter for this config: " + "; ".join(problems))
+    check_mapping(state["d2t"], state["t2d"], where)
+
+
+def _dtype_name(state: dict[str, torch.Tensor]) -> str:
+    return str(state["fc.weight"].dtype).removeprefix("torch.")
+
+
+def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
+    """config.json body in the SGLang/vLLM LlamaForCausalLMEagle3 layout (vLLM layer ids)."""
+    ids = list(cfg.aux_layer_ids)
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "hidden_act": cfg.hidden_act,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+        "norm_before_residual": NORM_BEFORE_RESIDUAL,
+        # vLLM reads the top-level ids (eagle3_utils.py); SGLang reads eagle_config's.
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    }
+
+
+def _ours(cfg: DraftConfig, **extra) -> dict:
+    """Our block inside config.json: the full DraftConfig and the layer-id convention."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "tool_version": __version__,
+            "layer_id_convention": schema.LAYER_ID_CONVENTION, "draft_config": cfg.to_dict(),
+            **extra}
+
+
+def manifest_hash(manifest: dict) -> str:
+    """Stable 16-hex hash of a dataset manifest's facts and file list (name, rows, tokens,
+    bytes); ignores creation time, run summary and extraction config."""
+    if "facts" not in manifest or "files" not in manifest:
+        raise ValueError("manifest_hash: the manifest needs 'facts' and 'files'")
+    files = sorted([f.get("name"), f.get("rows"), f.get("tokens"), f.get("bytes")]
+                   for f in manifest["files"])
+    body = json.dumps({"facts": manifest["facts"], "files": files}, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+# --- atomic directory writes -----------------------------------------------------------------
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def _publish(tmp: str, directory: str) -> None:
+    """Move the finished temp dir to `directory`, replacing an old one only once the new one
+    is complete; a crash at any point leaves `directory` either absent, old, or new."""
+    old = None
+    if os.path.lexists(directory):
+        old = f"{directory}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_dir(directory: str, tensors: dict[str, torch.Tensor], config: dict,
+               meta: dict | None) -> None:
+    """Write model.safetensors + config.json (+ meta.json) into a temp dir next to
+    `directory`, fsync them, then rename it into place."""
+    directory = os.path.abspath(directory)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{uuid.uuid4().hex[:8]}")
+    os.makedirs(tmp)
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        _write_json(os.path.join(tmp, CONFIG), config)
+        written = [WEIGHTS, CONFIG]
+        if meta is not None:
+            meta = dict(meta, files={n: {"bytes": os.path.getsize(os.path.join(tmp, n)),
+                                         "sha256": _sha256(os.path.join(tmp, n))}
+                                     for n in written})
+            _write_json(os.path.join(tmp, META), meta)
+            written.append(META)
+        for n in written:
+            _fsync(os.path.join(tmp, n))
+        _publish(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --- save / load ------------------------------------------------------------------------------
+
+def save_drafter(directory: str, state_dict: dict[str, torch.Tensor], config: DraftConfig,
+                 meta: dict | None = None) -> str:
+    """Write a drafter checkpoint directory atomically; returns its absolute path.
+
+    `state_dict` holds the SGLang/vLLM names (see expected_shapes) plus d2t/t2d;
+    embed_tokens.weight and rotary_emb.* buffers are dropped, any other name is an error.
+    `meta` (ttt_steps, dataset_manifest_hash, metrics, ...) is stored in meta.json with the
+    tool version and creation time."""
+    state = {k: v for k, v in state_dict.items() if not _dropped(k)}
+    check_state_dict(state, config, f"save_drafter({directory})")
+    if len(config.aux_layer_ids) != 3:
+        raise ValueError(f"save_drafter({directory}): DraftConfig.aux_layer_ids must hold the "
+                         f"3 verifier layer ids, got {config.aux_layer_ids}")
+    cfg_json = dict(engine_config(config, _dtype_name(state)), eagle3_ray=_ours(config))
+    meta = dict(meta or {})
+    meta.setdefault("tool_version", __version__)
+    meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    meta["format"], meta["format_version"] = FORMAT, FORMAT_VERSION
+    _write_dir(directory, state, cfg_json, meta)
+    return os.path.abspath(directory)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return obj
+
+
+def _draft_config(block: dict, path: str) -> DraftConfig:
+    names = {f.name for f in dataclasses.fields(DraftConfig)}
+    d = block.get("draft_config")
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: no eagle3_ray.draft_config; not an eagle3_ray drafter "
+                         "checkpoint (exported engine directories cannot be loaded back)")
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{path}: unknown DraftConfig fields {unknown} (written by a newer "
+                         "eagle3_ray?)")
+    try:
+        return DraftConfig(**d)
+    except TypeError as e:
+        raise ValueError(f"{path}: bad draft_config ({e})") from None
+
+
+def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, dict]:
+    """Read a checkpoint written by save_drafter -> (state_dict, DraftConfig, meta).
+    Errors name the missing or malformed file."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory}: no such drafter checkpoint directory")
+    for name in FILES:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: missing; {directory} is not a complete "
+                                    "eagle3_ray drafter checkpoint")
+    meta_path, cfg_path = os.path.join(directory, META), os.path.join(directory, CONFIG)
+    meta = _read_json(meta_path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version {meta['format_version']} is newer than "
+                         f"this eagle3_ray understands ({FORMAT_VERSION})")
+    for name, info in (meta.get("files") or {}).items():
+        size = os.path.getsize(os.path.join(directory, name))
+        if size != info.get("bytes"):
+            raise ValueError(f"{os.path.join(directory, name)}: {size} bytes, meta.json says "
+                             f"{info.get('bytes')}; the file is truncated or was replaced")
+    cfg = _draft_config(_read_json(cfg_path).get("eagle3_ray") or {}, cfg_path)
+    w_path = os.path.join(directory, WEIGHTS)
+    try:
+        state = load_file(w_path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{w_path}: not a readable safetensors file ({e})") from None
+    check_state_dict(state, cfg, w_path)
+    return state, cfg, meta
+
+
+# --- export -----------------------------------------------------------------------------------
+
+def sglang_layer_ids(vllm_ids: list[int]) -> list[int]:
+    """vLLM-convention aux ids (input of layer i) -> SGLang config ids (i - 1): SGLang adds 1
+    to each configured id (python/sglang/srt/models/llama.py, set_eagle3_layers_to_capture)."""
+    if any(i < 1 for i in vllm_ids):
+        raise ValueError(f"aux layer ids {vllm_ids}: SGLang cannot capture the input of layer 0 "
+                         "(its config id would be -1); extract with ids >= 1")
+    return [i - 1 for i in vllm_ids]
+
+
+def _sglang_config(cfg: DraftConfig, dtype: str) -> dict:
+    out = engine_config(cfg, dtype)
+    del out["eagle_aux_hidden_state_layer_ids"]     # vLLM-only key; SGLang reads eagle_config
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layer_ids),
+                           "use_aux_hidden_state": True}
+    out["eagle3_ray"] = _ours(cfg, export="sglang",
+                              exported_layer_id_convention=SGLANG_LAYER_ID_CONVENTION)
+    return out
+
+
+def _vllm_config(cfg: DraftConfig, dtype: str) -> dict:
+    return dict(engine_config(cfg, dtype), eagle3_ray=_ours(
+        cfg, export="vllm", exported_layer_id_convention=schema.LAYER_ID_CONVENTION))
+
+
+def _speculators_config(cfg: DraftConfig, dtype: str, verifier: str | None,
+                        verifier_architectures: list[str], speculative_tokens: int) -> dict:
+    layer = {
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "torch_dtype": dtype,
+    }
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": NORM_BEFORE_RESIDUAL,
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "target_hidden_size": cfg.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),   # vLLM convention
+        "embed_requires_grad": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+        },
+        "eagle3_ray": _ours(cfg, export="speculators",
+                            exported_layer_id_convention=schema.LAYER_ID_CONVENTION),
+    }
+
+
+def _speculators_weights(state: dict[str, torch.Tensor], cfg: DraftConfig) -> dict:
+    out = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
+           for k, v in state.items()}
+    if cfg.draft_vocab_size == cfg.vocab_size:   # speculators registers no d2t/t2d then
+        out.pop("d2t"), out.pop("t2d")
+    return out
+
+
+def export(src_dir: str, out_dir: str, format: str, verifier: str | None = None,
+           speculative_tokens: int | None = None) -> str:
+    """Write `out_dir` with what `format` ("sglang", "vllm", "speculators") loads for an
+    EAGLE-3 drafter: model.safetensors + config.json. For "speculators", `verifier` (HF id or
+    path; default meta.json's "verifier") and `speculative_tokens` (default meta.json's
+    "serving_depth", else "ttt_steps", else 3) fill speculators_config. Returns out_dir."""
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"export format {format!r}: choose one of {EXPORT_FORMATS}")
+    state, cfg, meta = load_drafter(src_dir)
+    dtype = _dtype_name(state)
+    if format == "sglang":
+        tensors, config = state, _sglang_config(cfg, dtype)
+    elif format == "vllm":
+        tensors, config = state, _vllm_config(cfg, dtype)
+    else:
+        k = speculative_tokens or meta.get("serving_depth") or meta.get("ttt_steps") or 3
+        tensors = _speculators_weights(state, cfg)
+        config = _speculators_config(cfg, dtype, verifier or meta.get("verifier"),
+                                     meta.get("verifier_architectures") or [], k)
+    _write_dir(out_dir, tensors, config, None)
+    return os.path.abspath(out_dir)

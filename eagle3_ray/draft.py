@@ -1,0 +1,409 @@
+"""The EAGLE-3 drafter (pure PyTorch, no Ray, no TTT logic — that lives in ttt.py).
+
+    fc: 3H -> H fuses the verifier's (low, mid, high) aux states
+    midlayer: one Llama decoder layer whose attention input is
+              concat(input_layernorm(embed(token)), hidden_norm(hidden)) = 2H;
+              its residual stream is the incoming *hidden* (pre-hidden_norm), not the embedding
+    norm, lm_head: H -> draft_vocab_size
+    d2t [Vd] int64 offsets (draft id i -> target id i + d2t[i]), t2d [V] bool
+    embed_tokens: the verifier's, frozen
+
+Weight names follow the SGLang/vLLM "LlamaForCausalLMEagle3" layout (see DESIGN.md). The layer
+is split into pieces — `qkv` (norms, concat, projections, RoPE), an attention pattern supplied
+by the caller, `finish` (o_proj + residual + MLP), `logits` — so the TTT unroll (ttt.py) and a
+KV-cached speculative decoder reuse the same math with their own attention.
+
+`build_drafter` reads only the verifier's embedding, final norm and lm_head (by tensor name,
+from its safetensors shards) and returns the drafter plus a frozen `Teacher` (verifier norm +
+lm_head split into draft-vocab rows and the rest) that ttt.py uses for the target distribution.
+
+    python -m eagle3_ray.draft embedded:smollm2     # prints the drafter config and #params
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from eagle3_ray import verifier
+
+# The verifier tensors a drafter is built from (Llama-like names; DeepSeek/Kimi use the same).
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int                     # H, = the verifier's (target_hidden_size)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int                      # V, the verifier's vocabulary
+    draft_vocab_size: int = 32000        # Vd <= V
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None     # the verifier's rope_scaling / rope_parameters extras
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    aux_layer_ids: list[int] = field(default_factory=list)  # vLLM convention (schema.py)
+    initializer_range: float = 0.02      # std of the random init of fc / midlayer weights
+
+    @classmethod
+    def from_verifier_config(cls, config, draft_vocab_size: int = 32000,
+                             aux_layer_ids: list[int] | None = None, **overrides) -> "DraftConfig":
+        """Shapes from a transformers config of the verifier; any field can be overridden."""
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or \
+            getattr(config, "rope_scaling", None)
+        if scaling and scaling.get("rope_type", "default") == "default":
+            scaling = None
+        heads = config.num_attention_heads
+        kw = dict(
+            hidden_size=config.hidden_size, num_attention_heads=heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, config.vocab_size),
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            hidden_act=getattr(config, "hidden_act", "silu"),
+            aux_layer_ids=list(aux_layer_ids or []))
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- building blocks ------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalize in fp32 (or fp64), scale in the input dtype."""
+    dtype = x.dtype
+    xf = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """The projections only: the attention pattern belongs to the caller (causal in
+    `causal_attention`, the TTT diagonal in ttt.py, a KV cache when serving)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        h, d = c.hidden_size, c.head_dim
+        self.q_proj = nn.Linear(2 * h, c.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, c.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, c.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * d, h, bias=False)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        if c.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act {c.hidden_act!r} not supported ({sorted(_ACTIVATIONS)})")
+        self.act = _ACTIVATIONS[c.hidden_act]
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # [.., I] -> [.., H]
+
+
+class DecoderLayer(nn.Module):
+    """Holds the midlayer's weights under their checkpoint names; Eagle3Drafter runs them."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)   # on the token embedding
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)       # on the incoming hidden
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+
+def rope_inv_freq(c: DraftConfig, device=None) -> torch.Tensor:
+    """[head_dim/2] fp32 inverse frequencies: default, "linear" or "llama3" scaling (the same
+    formulas as transformers' ROPE_INIT_FUNCTIONS and SGLang/vLLM's get_rope)."""
+    d = c.head_dim
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    s = c.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / s["factor"]
+    if kind == "llama3":
+        factor, old = s["factor"], s["original_max_position_embeddings"]
+        low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling {kind!r} not supported (default, linear, llama3): {s}")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)  # [.., D]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal GQA attention: q [B, nh, S, D], k/v [B, nkv, S, D] -> [B, S, nh*D].
+    Right padding needs no key mask: a real query never sees a later (padded) key."""
+    b, nh, s, d = q.shape
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=nh != k.shape[1])  # [B, nh, S, D]
+    return out.transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*D]
+
+
+# --- the drafter ----------------------------------------------------------------------------
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = self.config = config
+        if c.num_attention_heads % c.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {c.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {c.num_key_value_heads}")
+        if c.draft_vocab_size > c.vocab_size:
+            raise ValueError(f"draft_vocab_size {c.draft_vocab_size} > vocab_size {c.vocab_size}")
+        h = c.hidden_size
+        self.embed_tokens = nn.Embedding(c.vocab_size, h)   # the verifier's, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = DecoderLayer(c)
+        self.norm = RMSNorm(h, c.rms_norm_eps)
+        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.normal_(0.0, self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+        self.embed_tokens.weight.normal_(0.0, self.config.initializer_range)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux)  # [B, S, 3H] -> [B, S, H]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers)."""
+        inv = rope_inv_freq(self.config, positions.device)                 # [D/2]
+        freqs = positions[..., None].float() * inv                         # [B, S, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                   # [B, 1, S, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def qkv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """token_ids [B, S], hidden [B, S, H], positions [B, S] ->
+        q [B, nh, S, D], k [B, nkv, S, D] (both RoPE'd at `positions`), v [B, nkv, S, D]."""
+        c, layer = self.config, self.midlayer
+        b, s = token_ids.shape
+        emb = self.embed_tokens(token_ids).to(hidden.dtype)                # [B, S, H]
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B,nh,S,D]
+        k = attn.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B,nkv,S,D]
+        v = attn.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B,nkv,S,D]
+        cos, sin = self.rope(positions, q.dtype)                           # [B, 1, S, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """hidden [B, S, H] (the layer's input = its residual), attn_out [B, S, nh*D] ->
+        the layer's output [B, S, H] (pre-final-norm; what the next draft step receives)."""
+        layer = self.midlayer
+        h = hidden + layer.self_attn.o_proj(attn_out)                      # [B, S, H]
+        return h + layer.mlp(layer.post_attention_layernorm(h))            # [B, S, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))  # [.., H] -> [.., Vd]
+
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                attend=None) -> torch.Tensor:
+        """One draft step: token_ids [B, S], hidden [B, S, 3H] (verifier aux states, fused by fc)
+        or [B, S, H] (the drafter's own previous output), positions [B, S] -> [B, S, H].
+        `attend(q, k, v) -> [B, S, nh*D]` is the attention pattern (default: causal)."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fuse(hidden)                                     # [B, S, H]
+        q, k, v = self.qkv(token_ids, hidden, positions)
+        return self.finish(hidden, (attend or causal_attention)(q, k, v))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+class Teacher(nn.Module):
+    """The verifier's next-token distribution over the draft vocabulary, frozen and not part of
+    the drafter's checkpoint: softmax(lm_head[draft rows] · norm(last_hidden)), plus whether the
+    verifier's full-vocab argmax lies in the draft vocab (SpecForge's target mask)."""
+
+    def __init__(self, norm_weight: torch.Tensor, head_draft: torch.Tensor,
+                 head_rest: torch.Tensor, eps: float, chunk_size: int = 1024):
+        super().__init__()
+        self.register_buffer("norm_weight", norm_weight, persistent=False)  # [H]
+        self.register_buffer("head_draft", head_draft, persistent=False)    # [Vd, H], draft id order
+        self.register_buffer("head_rest", head_rest, persistent=False)      # [V-Vd, H]
+        self.eps, self.chunk_size = eps, chunk_size
+
+    @torch.no_grad()
+    def forward(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """last_hidden [N, H] (pre-final-norm) -> p [N, Vd] fp32 (or fp64), in_draft [N] bool.
+        The full-vocab argmax is in the draft vocab iff the best draft logit >= the best of the
+        other rows, so the [N, V] logits are never held, only [chunk, V-Vd] at a time."""
+        dtype = self.head_draft.dtype
+        out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        ps, inside = [], []
+        for x in last_hidden.split(self.chunk_size):
+            x = rms_norm(x.to(dtype), self.norm_weight, self.eps)                 # [n, H]
+            draft = (x @ self.head_draft.T).to(out_dtype)                         # [n, Vd]
+            ps.append(draft.softmax(-1))
+            best = draft.max(-1).values                                           # [n]
+            if len(self.head_rest):
+                best_rest = (x @ self.head_rest.T).to(out_dtype).max(-1).values   # [n]
+                inside.append(best >= best_rest)
+            else:
+                inside.append(torch.ones_like(best, dtype=torch.bool))
+        if not ps:
+            vd = self.head_draft.shape[0]
+            return last_hidden.new_zeros(0, vd, dtype=out_dtype), \
+                torch.zeros(0, dtype=torch.bool, device=last_hidden.device)
+        return torch.cat(ps), torch.cat(inside)  # [N, Vd], [N]
+
+
+# --- building from the verifier -------------------------------------------------------------
+
+def _weight_map(directory: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from model.safetensors.index.json or the single file."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{directory}: no model.safetensors or "
+                                "model.safetensors.index.json (safetensors weights are required)")
+    with safe_open(single, framework="pt") as f:  # reads the header only
+        return {name: "model.safetensors" for name in f.keys()}
+
+
+def _resolve_name(name: str, available) -> str | None:
+    """`name` itself, else the one non-layer tensor ending like it (e.g. multimodal prefixes)."""
+    if name in available:
+        return name
+    tail = name.split(".", 1)[1] if name.startswith("model.") else name
+    found = [n for n in available if n.endswith("." + tail) and ".layers." not in n]
+    return found[0] if len(found) == 1 else None
+
+
+def read_verifier_tensors(spec: str, names, missing_ok: bool = False) -> dict[str, torch.Tensor]:
+    """Read just the named tensors of the verifier `spec` (one safe_open per shard involved, one
+    get_tensor per name), never the whole model. Names are Llama-like (`model.norm.weight`);
+    an unprefixed/multimodal variant ending the same way is accepted. Missing names raise
+    KeyError unless missing_ok (then they are left out of the result)."""
+    directory = verifier.materialize(spec)
+    weight_map = _weight_map(directory)
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name in names:
+        stored = _resolve_name(name, weight_map)
+        if stored is None:
+            if missing_ok:
+                continue
+            raise KeyError(f"{directory}: verifier has no tensor {name!r}")
+        by_file.setdefault(weight_map[stored], []).append((name, stored))
+    out = {}
+    for file, pairs in by_file.items():
+        with safe_open(os.path.join(directory, file), framework="pt") as f:
+            for name, stored in pairs:
+                out[name] = f.get_tensor(stored)
+    return out
+
+
+def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> tuple[Eagle3Drafter, Teacher]:
+    """A drafter for the verifier `spec` from its embedding, final norm and lm_head only (tied
+    embeddings: no lm_head.weight -> the embedding). The drafter's norm and lm_head start from the
+    verifier's (lm_head: the draft vocab's rows); fc and the midlayer are random. Returns
+    (drafter, teacher) — the teacher holds the verifier's norm + lm_head rows for ttt.py."""
+    c = draft_config
+    d2t, t2d = torch.as_tensor(d2t, dtype=torch.long), torch.as_tensor(t2d, dtype=torch.bool)
+    if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.vocab_size,):
+        raise ValueError(f"d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)}: expected "
+                         f"({c.draft_vocab_size},) / ({c.vocab_size},)")
+    target_ids = torch.arange(c.draft_vocab_size) + d2t                     # [Vd] draft -> target
+    if (target_ids.min() < 0 or target_ids.max() >= c.vocab_size
+            or not t2d[target_ids].all() or int(t2d.sum()) != c.draft_vocab_size):
+        raise ValueError("d2t and t2d disagree: t2d must be True exactly at arange(Vd) + d2t")
+
+    w = read_verifier_tensors(spec, [EMBED, FINAL_NORM, LM_HEAD], missing_ok=True)
+    for name in (EMBED, FINAL_NORM):
+        if name not in w:
+            raise KeyError(f"verifier {spec!r}: no tensor {name!r}")
+    embed, norm = w[EMBED].to(dtype), w[FINAL_NORM].to(dtype)
+    head = w[LM_HEAD].to(dtype) if LM_HEAD in w else embed                  # tied embeddings
+    if embed.shape != (c.vocab_size, c.hidden_size) or head.shape != embed.shape:
+        raise ValueError(f"verifier {spec!r}: embed {tuple(embed.shape)} / lm_head "
+                         f"{tuple(head.shape)}, config says ({c.vocab_size}, {c.hidden_size})")
+
+    drafter = Eagle3Drafter(c).to(dtype)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embed)
+        drafter.norm.weight.copy_(norm)
+        drafter.lm_head.weight.copy_(head[target_ids])                      # [Vd, H]
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    teacher = Teacher(norm.clone(), head[target_ids].clone(), head[~t2d].clone(), c.rms_norm_eps)
+    return drafter, teacher
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("spec", nargs="?", default=verifier.EMBEDDED_VERIFIER)
+    p.add_argument("--draft-vocab-size", type=int, default=32000)
+    a = p.parse_args(argv)
+    cfg = verifier.load_config(a.spec)
+    c = DraftConfig.from_verifier_config(cfg, a.draft_vocab_size,
+                                         verifier.default_aux_layer_ids(cfg.num_hidden_layers))
+    with torch.device("meta"):
+        m = Eagle3Drafter(c)
+    trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    print(json.dumps({"draft_config": c.to_dict(), "trainable_params": trainable,
+                      "frozen_params": sum(p.numel() for p in m.parameters()) - trainable,
+                      "state_dict": {k: list(v.shape) for k, v in m.state_dict().items()}},
+                     indent=2))
+
+
+if __name__ == "__main__":
+    main()

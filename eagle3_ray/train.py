@@ -1,0 +1,538 @@
+"""Stage 2: train the EAGLE-3 drafter with deep TTT unrolls on Ray Train.
+
+    driver: read the dataset manifest, refuse it if it does not match the verifier, build the
+            draft vocabulary (token counts over loss-masked tokens), hold out an eval split
+    TorchTrainer workers (DDP over gloo/NCCL, FSDP optional): stream their shard of the Parquet
+            dataset (Ray Data get_dataset_shard), TTT unroll (ttt.py), AdamW + warmup/cosine,
+            grad clipping, bf16 autocast on GPU; report metrics every `log_every` steps,
+            evaluate every `eval_every`, checkpoint every `checkpoint_every`
+    rank 0 at the end: a self-describing drafter directory (checkpoint.py), metrics CSV/JSON, PNG
+
+Resume = run the same command again (same --output): Ray Train V2 hands the latest checkpoint
+to the workers (model, optimizer, step, training time, epoch and the sample ids consumed in
+the current epoch, so the data position is exact). A failed worker is restarted from the last
+checkpoint (FailureConfig); steps after it are redone, and the metrics log is rewound to it, so
+every step appears exactly once.
+
+    eagle3-ray train --dataset runs/demo/data --output /tmp/train --ttt-steps 4 --max-steps 20
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from eagle3_ray import checkpoint, draft, schema, ttt, verifier, vocab
+
+# Dataset facts a drafter's verifier must share (a different max_length or regeneration is fine).
+VERIFIER_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "layer_id_convention",
+                   "tokenizer_hash")
+
+
+@dataclass
+class TrainConfig:
+    dataset: str                          # hidden-state dataset dir/URI (eagle3-ray extract)
+    output: str = "runs/train"            # run dir: Ray checkpoints, metrics, final drafter/
+    verifier: str = verifier.EMBEDDED_VERIFIER  # must be the dataset's verifier
+    ttt_steps: int = 8                    # TTT unroll depth: train for the depth you serve
+    step_weight_decay: float = 0.8        # loss weight of step k: decay**k
+    draft_vocab_size: int = 32000         # reduced draft vocab (<= verifier vocab)
+    max_steps: int = 200                  # optimizer steps in total (across resumes)
+    max_epochs: int = 1000                # stop after this many passes even if steps remain
+    max_minutes: float = 0                # wall-clock budget of the training loop; 0 = none
+    batch_size: int = 2                   # samples per worker per step
+    max_seq_len: int = 2048               # truncate samples longer than this
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1             # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    eval_fraction: float = 0.05           # held-out share of samples (by sample_id hash)
+    eval_every: int = 50                  # steps; 0 = only at the end
+    log_every: int = 10                   # steps between reported metrics (a Ray barrier)
+    checkpoint_every: int = 50            # steps
+    num_workers: int = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    fsdp: bool = False                    # FSDP instead of DDP (large drafters / vocab)
+    max_failures: int = 3                 # worker-group restarts (FailureConfig)
+    seed: int = 0
+    # tests only: "die_once:<step>:<marker>" kills rank 1 once, when it reaches <step>.
+    fault_injection: str = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_FAULT", ""))
+
+
+def is_eval(sample_id: str, fraction: float) -> bool:
+    return zlib.crc32(sample_id.encode()) % 10_000 < fraction * 10_000
+
+
+def _split(batch: pa.Table, fraction: float, want_eval: bool) -> pa.Table:
+    """Keep the eval (or train) rows of an Arrow batch, without touching the hidden states."""
+    mask = [is_eval(s, fraction) == want_eval for s in batch.column("sample_id").to_pylist()]
+    return batch.filter(pa.array(mask, pa.bool_()))
+
+
+def lr_at(cfg: TrainConfig, step: int, train_s: float) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio. Progress is the larger of the
+    step and the wall-clock fractions, so a time-budgeted run (max_minutes) also anneals."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.max_minutes:
+        progress = max(progress, train_s / (60 * cfg.max_minutes))
+    progress = min(1.0, progress)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# --- driver-side preparation ------------------------------------------------------------------
+
+def prepare(cfg: TrainConfig) -> dict:
+    """Check the dataset against the verifier, build (or reuse) the draft vocabulary."""
+    manifest = schema.read_manifest(cfg.dataset)
+    facts = manifest["facts"]
+    config, tok = verifier.load_config(cfg.verifier), verifier.load_tokenizer(cfg.verifier)
+    expected = verifier.verifier_facts(cfg.verifier, config, tok, facts["aux_layer_ids"])
+    schema.check_compatible(manifest, expected, where=schema.manifest_path(cfg.dataset),
+                            fields=VERIFIER_FIELDS)
+    fs, root = schema.resolve_fs(cfg.output)
+    fs.create_dir(root, recursive=True)
+    vocab_path = f"{root}/vocab.json"
+    if fs.get_file_info(vocab_path).type == pa.fs.FileType.File:  # resume: same mapping
+        with fs.open_input_stream(vocab_path) as f:
+            saved = json.loads(f.read())
+        if saved["draft_vocab_size"] != min(cfg.draft_vocab_size, config.vocab_size):
+            raise ValueError(f"{vocab_path}: run was started with draft_vocab_size "
+                             f"{saved['draft_vocab_size']}; use a new --output to change it")
+        d2t = np.asarray(saved["d2t"], dtype=np.int64)
+    else:
+        counts = vocab.count_tokens(cfg.dataset, config.vocab_size)
+        d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, config.vocab_size))
+        schema.write_bytes_atomic(fs, vocab_path, json.dumps(
+            {"draft_vocab_size": len(d2t), "d2t": d2t.tolist(),
+             "coverage": vocab.coverage(counts, t2d)}).encode())
+    dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t), facts["aux_layer_ids"])
+    return {"manifest": manifest, "draft_config": dcfg.to_dict(), "d2t": d2t.tolist(),
+            "manifest_hash": checkpoint.manifest_hash(manifest)}
+
+
+def mapping_from_d2t(d2t: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d2t_t = torch.tensor(d2t, dtype=torch.long)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[vocab.draft_to_target(d2t_t)] = True
+    return d2t_t, t2d
+
+
+# --- worker side ----------------------------------------------------------------------------
+
+def collate(batch: pa.Table, hidden: int, max_len: int) -> dict[str, torch.Tensor]:
+    """Arrow rows -> right-padded tensors; hidden states stay bf16 until the model casts."""
+    rows = batch.select(["input_ids", "loss_mask", "num_tokens", "aux_hidden_states",
+                         "last_hidden_states"]).to_pylist()
+    n = min(max_len, max(r["num_tokens"] for r in rows))
+    b = len(rows)
+    out = {"input_ids": torch.zeros(b, n, dtype=torch.long),              # [B, S]
+           "loss_mask": torch.zeros(b, n, dtype=torch.long),              # [B, S]
+           "attention_mask": torch.zeros(b, n, dtype=torch.long),         # [B, S]
+           "aux_hidden_states": torch.zeros(b, n, 3 * hidden, dtype=torch.bfloat16),  # [B,S,3H]
+           "last_hidden_states": torch.zeros(b, n, hidden, dtype=torch.bfloat16)}     # [B,S,H]
+    for i, r in enumerate(rows):
+        t = schema.decode_row(r, hidden)
+        s = min(n, r["num_tokens"])
+        out["input_ids"][i, :s] = t["input_ids"][:s]
+        out["loss_mask"][i, :s] = t["loss_mask"][:s].long()
+        out["attention_mask"][i, :s] = 1
+        out["aux_hidden_states"][i, :s] = t["aux_hidden_states"][:s].reshape(s, 3 * hidden)
+        out["last_hidden_states"][i, :s] = t["last_hidden_states"][:s]
+    return out
+
+
+class MetricSums:
+    """ttt.py's additive per-position sums (+ loss, batches, tokens), all-reduced across workers
+    before reporting so ratios are never means of means."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.reset()
+
+    def reset(self):
+        self.t = torch.zeros(len(ttt.COUNT_KEYS) * self.steps + 3, dtype=torch.float64)
+
+    def add(self, m: dict, loss: float, tokens: int):
+        k = self.steps
+        for i, key in enumerate(ttt.COUNT_KEYS):
+            self.t[i * k:(i + 1) * k] += torch.tensor(m[key], dtype=torch.float64)
+        self.t[-3:] += torch.tensor([loss, 1.0, tokens], dtype=torch.float64)
+
+    def reduce(self) -> torch.Tensor:
+        t = self.t.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(t)
+        return t
+
+    def summarize(self, t: torch.Tensor, prefix: str) -> dict:
+        k = self.steps
+        m = ttt.summarize({key: t[i * k:(i + 1) * k].tolist()
+                           for i, key in enumerate(ttt.COUNT_KEYS)})
+        out = {f"{prefix}loss": float(t[-3] / max(1.0, float(t[-2]))),
+               f"{prefix}accept_len": m["accept_len"]}
+        for i in range(k):
+            out[f"{prefix}acc_{i}"] = m["acc_k"][i]
+            out[f"{prefix}cond_acc_{i}"] = m["cond_acc_k"][i]
+            out[f"{prefix}p_{i}"] = m["p_k"][i]
+            out[f"{prefix}loss_{i}"] = m["loss_k"][i]
+        return out
+
+
+def train_loop_per_worker(loop: dict) -> None:
+    """The Ray Train worker function (runs on every worker)."""
+    import ray.train
+    import ray.train.torch
+
+    cfg, setup = TrainConfig(**loop["cfg"]), loop["setup"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if not cfg.use_gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ctx.get_local_world_size())))
+    torch.manual_seed(cfg.seed)
+    dcfg = draft.DraftConfig(**setup["draft_config"])
+    d2t, t2d = mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
+    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d)
+    device = ray.train.torch.get_device()
+    teacher = teacher.to(device)
+    model = ray.train.torch.prepare_model(drafter, parallel_strategy="fsdp" if cfg.fsdp else "ddp")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    state = {"step": 0, "epoch": 0, "seen": [], "history": [], "train_s": 0.0}
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            state = load_train_state(d, unwrap(model), opt)
+        if rank == 0:
+            print(f"[train] resumed at step {state['step']} (epoch {state['epoch']}, "
+                  f"{len(state['seen'])} samples of it done)")
+    if rank == 0:
+        write_metrics(cfg.output, state["history"])  # rewind the log to the checkpoint
+
+    hidden = dcfg.hidden_size
+    sums, eval_sums = MetricSums(cfg.ttt_steps), MetricSums(cfg.ttt_steps)
+    t_last, seen = time.perf_counter(), set(state["seen"])
+    shard = ray.train.get_dataset_shard("train")
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cfg.use_gpu else _null()
+    budget_s = 60 * cfg.max_minutes if cfg.max_minutes else math.inf
+    out_of_time, t_step = False, time.monotonic()
+    while state["step"] < cfg.max_steps and state["epoch"] < cfg.max_epochs and not out_of_time:
+        it = iter(shard.iter_batches(batch_size=cfg.batch_size, batch_format="pyarrow",
+                                     prefetch_batches=2))
+        steps_before = state["step"]
+        while state["step"] < cfg.max_steps:
+            batch = _next_unseen(it, seen)
+            # every worker agrees to go on, or all stop: a dry shard ends the epoch for all
+            go, out_of_time = _all_agree(batch is not None, state["train_s"] < budget_s, device)
+            if not go:
+                break
+            ids = batch.column("sample_id").to_pylist()
+            b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
+            _maybe_die(cfg, rank, state["step"] + 1)
+            lr = lr_at(cfg, state["step"], state["train_s"])
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with amp:
+                loss, m = ttt.ttt_loss(model, teacher, b, cfg.ttt_steps, cfg.step_weight_decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            state["step"] += 1
+            now = time.monotonic()
+            state["train_s"] += now - t_step  # training time (data wait included, evals not)
+            t_step = now
+            seen.update(_all_gather_ids(ids, world))
+            sums.add(m, float(loss), int(b["attention_mask"].sum()))
+            step = state["step"]
+            if step < cfg.max_steps and (step % cfg.log_every == 0
+                                         or step % cfg.checkpoint_every == 0):
+                with_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0
+                t_last = _report_now(cfg, rank, state, seen, sums, t_last, lr, model, opt,
+                                     teacher, hidden, device, eval_sums, with_eval,
+                                     with_checkpoint=step % cfg.checkpoint_every == 0)
+                t_step = time.monotonic()
+        else:
+            break  # max_steps reached mid-epoch
+        if out_of_time:
+            break
+        if state["step"] == steps_before:
+            raise ValueError(f"{cfg.dataset}: no training samples reached the workers "
+                             "(empty dataset or eval_fraction too large)")
+        state["epoch"] += 1
+        seen.clear()
+    last = state["history"][-1] if state["history"] else {}
+    if last.get("step") != state["step"] or "eval/loss" not in last:  # final: eval + checkpoint
+        _report_now(cfg, rank, state, seen, sums, t_last, lr_at(cfg, state["step"], state["train_s"]),
+                    model, opt, teacher, hidden, device, eval_sums, with_eval=True,
+                    with_checkpoint=True)
+    if rank == 0:
+        finish(cfg, setup, unwrap(model), state)
+
+
+def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, opt, teacher, hidden, device,
+                eval_sums, with_eval: bool, with_checkpoint: bool) -> float:
+    """All-reduce the metrics since the last report, maybe evaluate, report (+ checkpoint)."""
+    t = sums.reduce()
+    metrics = {"step": state["step"], "epoch": state["epoch"], "lr": lr,
+               "train_s": state["train_s"],
+               "tokens_per_s": float(t[-1]) / max(1e-9, time.perf_counter() - t_last),
+               **(sums.summarize(t, "train/") if t[-2] > 0 else {})}
+    sums.reset()
+    if with_eval:
+        metrics.update(evaluate(model, teacher, cfg, hidden, device, eval_sums))
+    if state["history"] and state["history"][-1]["step"] == state["step"]:
+        state["history"][-1].update(metrics)  # the final report completes this step's entry
+    else:
+        state["history"].append(metrics)
+    state["seen"] = sorted(seen)
+    report(cfg, rank, state, state["history"][-1], unwrap(model), opt,
+           with_checkpoint=with_checkpoint)
+    return time.perf_counter()
+
+
+def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums) -> dict:
+    """Per-position metrics on this worker's eval shard, all-reduced."""
+    import ray.train
+    sums.reset()
+    inner = unwrap(model)
+    inner.eval()
+    with torch.no_grad():
+        for batch in ray.train.get_dataset_shard("eval").iter_batches(
+                batch_size=cfg.batch_size, batch_format="pyarrow"):
+            b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
+            loss, m = ttt.ttt_loss(inner, teacher, b, cfg.ttt_steps, cfg.step_weight_decay)
+            sums.add(m, float(loss), int(b["attention_mask"].sum()))
+    inner.train()
+    return sums.summarize(sums.reduce(), "eval/")
+
+
+def report(cfg, rank, state, metrics, model, opt, with_checkpoint: bool):
+    """ray.train.report on every worker (a barrier); rank 0 attaches the checkpoint."""
+    import ray.train
+    if rank == 0:
+        write_metrics(cfg.output, state["history"])
+    if with_checkpoint and rank == 0:
+        with tempfile.TemporaryDirectory() as d:
+            save_train_state(d, model, opt, state)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
+                             checkpoint_dir_name=f"step_{state['step']:07d}")
+    else:
+        ray.train.report(metrics)
+
+
+def save_train_state(d: str, model, opt, state: dict) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+               if k != "embed_tokens.weight"},  # frozen, the verifier's: rebuilt on load
+              os.path.join(d, "model.safetensors"))
+    torch.save(opt.state_dict(), os.path.join(d, "optimizer.pt"))
+    with open(os.path.join(d, "state.json"), "w") as f:
+        json.dump(state, f)
+
+
+def load_train_state(d: str, model, opt) -> dict:
+    from safetensors.torch import load_file
+    missing, unexpected = model.load_state_dict(load_file(os.path.join(d, "model.safetensors")),
+                                                strict=False)
+    if unexpected or set(missing) - {"embed_tokens.weight"}:
+        raise ValueError(f"{d}: checkpoint does not fit the drafter "
+                         f"(missing {missing}, unexpected {unexpected})")
+    opt.load_state_dict(torch.load(os.path.join(d, "optimizer.pt"), weights_only=True))
+    with open(os.path.join(d, "state.json")) as f:
+        return json.load(f)
+
+
+def write_metrics(output: str, history: list[dict]) -> None:
+    """metrics.jsonl and metrics.csv in the run dir, rewritten whole (works on URIs too)."""
+    fs, root = schema.resolve_fs(output)
+    schema.write_bytes_atomic(fs, f"{root}/metrics.jsonl",
+                              "".join(json.dumps(m) + "\n" for m in history).encode())
+    keys = sorted({k for m in history for k in m}, key=lambda k: (k.count("_"), k))
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=["step"] + [k for k in keys if k != "step"])
+    w.writeheader()
+    w.writerows(history)
+    schema.write_bytes_atomic(fs, f"{root}/metrics.csv", buf.getvalue().encode())
+
+
+def finish(cfg: TrainConfig, setup: dict, model, state: dict) -> None:
+    """The final drafter directory + accuracy/acceptance plot (rank 0)."""
+    final = next((m for m in reversed(state["history"]) if "eval/accept_len" in m),
+                 state["history"][-1] if state["history"] else {})
+    meta = {"ttt_steps": cfg.ttt_steps, "step_weight_decay": cfg.step_weight_decay,
+            "steps": state["step"], "dataset": cfg.dataset,
+            "dataset_manifest_hash": setup["manifest_hash"],
+            "verifier": cfg.verifier, "final_metrics": final, "train_config": asdict(cfg)}
+    state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    dcfg = draft.DraftConfig(**setup["draft_config"])
+    fs, root = schema.resolve_fs(cfg.output)
+    if isinstance(fs, pa.fs.LocalFileSystem):
+        out = os.path.join(root, "drafter")
+        checkpoint.save_drafter(out, state_dict, dcfg, meta)  # atomic, replaces an older one
+        plot_metrics(state["history"], cfg.ttt_steps, os.path.join(out, "accuracy.png"))
+        return
+    with tempfile.TemporaryDirectory() as d:  # remote run dir: write locally, then upload
+        out = os.path.join(d, "drafter")
+        checkpoint.save_drafter(out, state_dict, dcfg, meta)
+        plot_metrics(state["history"], cfg.ttt_steps, os.path.join(out, "accuracy.png"))
+        fs.create_dir(f"{root}/drafter", recursive=True)
+        pa.fs.copy_files(out, f"{root}/drafter", source_filesystem=pa.fs.LocalFileSystem(),
+                         destination_filesystem=fs)
+
+
+def plot_metrics(history: list[dict], steps: int, path: str) -> None:
+    """Per-position accuracy and estimated acceptance length vs depth (last eval, else train)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    m = next((h for h in reversed(history) if "eval/acc_0" in h), history[-1] if history else None)
+    if m is None:
+        return
+    prefix = "eval/" if "eval/acc_0" in m else "train/"
+    acc = [m[f"{prefix}acc_{i}"] for i in range(steps)]
+    cond = [m[f"{prefix}cond_acc_{i}"] for i in range(steps)]
+    tau = [1 + float(sum(np.cumprod(cond[:d]))) for d in range(steps + 1)]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a1.plot(range(steps), acc, "o-", label="accuracy")
+    a1.plot(range(steps), cond, "s--", label="conditional accuracy")
+    a1.set_xlabel("draft position k"), a1.set_ylim(0, 1), a1.legend(), a1.grid(alpha=.3)
+    a1.set_title(f"{prefix.rstrip('/')} per-position accuracy, step {m['step']}")
+    a2.plot(range(steps + 1), tau, "o-")
+    a2.set_xlabel("speculation depth"), a2.set_ylabel("E[accepted + 1]"), a2.grid(alpha=.3)
+    a2.set_title("estimated acceptance length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def unwrap(model):
+    return getattr(model, "module", model)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def _next_unseen(it, seen: set):
+    """Next batch of the shard, minus samples already consumed this epoch (resume)."""
+    for batch in it:
+        if seen:
+            keep = [i for i, s in enumerate(batch.column("sample_id").to_pylist()) if s not in seen]
+            batch = batch.take(pa.array(keep, pa.int64()))
+        if batch.num_rows:
+            return batch
+    return None
+
+
+def _all_agree(have_batch: bool, in_time: bool, device) -> tuple[bool, bool]:
+    """-> (all workers have a batch and time left, some worker ran out of time)."""
+    t = torch.tensor([0 if have_batch else 1, 0 if in_time else 1], device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return int(t.sum()) == 0, int(t[1]) > 0
+
+
+def _all_gather_ids(ids: list[str], world: int) -> list[str]:
+    if world == 1:
+        return ids
+    out = [None] * world
+    torch.distributed.all_gather_object(out, ids)
+    return [s for part in out for s in part]
+
+
+def _maybe_die(cfg: TrainConfig, rank: int, step: int) -> None:
+    kind, _, arg = cfg.fault_injection.partition(":")
+    if kind == "die_once" and rank == min(1, cfg.num_workers - 1):
+        at, _, marker = arg.partition(":")
+        if step == int(at) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+
+
+# --- offline evaluation ----------------------------------------------------------------------
+
+def load_trained_drafter(drafter_dir: str, spec: str):
+    """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier."""
+    state, dcfg, meta = checkpoint.load_drafter(drafter_dir)
+    drafter, teacher = draft.build_drafter(spec, dcfg, state["d2t"], state["t2d"])
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"embed_tokens.weight"}:
+        raise ValueError(f"{drafter_dir}: weights do not fit the drafter "
+                         f"(missing {missing}, unexpected {unexpected})")
+    return drafter.eval(), teacher, meta
+
+
+@torch.no_grad()
+def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: float = 0.05,
+                     spec: str | None = None, batch_size: int = 4, max_seq_len: int = 2048) -> dict:
+    """Held-out per-position metrics of a trained drafter unrolled `depth` steps (deeper than
+    it was trained is allowed: that is how extrapolation is measured). One process, no Ray."""
+    import pyarrow.parquet as pq
+    meta = checkpoint.load_drafter(drafter_dir)[2]
+    drafter, teacher, _ = load_trained_drafter(drafter_dir, spec or meta["verifier"])
+    hidden = drafter.config.hidden_size if hasattr(drafter, "config") else drafter.fc.weight.shape[0]
+    sums = MetricSums(depth)
+    fs, root = schema.resolve_fs(dataset)
+    for path in schema.list_parts(fs, root):
+        with fs.open_input_file(path) as f:
+            for rb in pq.ParquetFile(f).iter_batches(batch_size=64):
+                t = _split(pa.Table.from_batches([rb]), eval_fraction, True)
+                for i in range(0, t.num_rows, batch_size):
+                    b = collate(t.slice(i, batch_size), hidden, max_seq_len)
+                    loss, m = ttt.ttt_loss(drafter, teacher, b, depth, 1.0)
+                    sums.add(m, float(loss), int(b["attention_mask"].sum()))
+    return sums.summarize(sums.t, "")
+
+
+# --- driver entry ---------------------------------------------------------------------------
+
+def run_train(cfg: TrainConfig, address: str | None = None):
+    """Check, then fit (or resume) on Ray Train. Returns the Ray Train Result."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchTrainer
+    from eagle3_ray.launch import init_ray
+
+    setup = prepare(cfg)
+    init_ray(address)
+    files = [f"{schema.resolve_fs(cfg.dataset)[1]}/{f['name']}" for f in setup["manifest"]["files"]]
+    fs, _ = schema.resolve_fs(cfg.dataset)
+    ds = ray.data.read_parquet(files, filesystem=fs)
+    split = dict(fn=_split, batch_format="pyarrow", batch_size=None)
+    train_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, False))
+    eval_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, True))
+    fs_out, root = schema.resolve_fs(cfg.output)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": asdict(cfg), "setup": setup},
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+            resources_per_worker=None if cfg.use_gpu else {"CPU": cfg.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name="ray", storage_path=root if "://" not in cfg.output else cfg.output,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
+        datasets={"train": train_ds, "eval": eval_ds},
+    )
+    result = trainer.fit()
+    print(f"[train] done: {cfg.output}/drafter")
+    return result

@@ -1,0 +1,262 @@
+"""The training-time-test (TTT) unroll of the EAGLE-3 drafter: loss and per-position metrics.
+
+Step k = 0..K-1 at position t (all positions of a batch at once):
+    input token   input_ids[t+1+k]           (0 past the end: such positions are never valid)
+    hidden input  fc(aux[t]) at k = 0, else the drafter's own output of step k-1 at t
+    RoPE position t + k                      (SpecForge: position_ids + number of cached steps)
+    target        p_teacher[t+1+k] = softmax over the draft vocab of the verifier's
+                  lm_head[draft rows] · norm(last_hidden[t+1+k])  (predicts token t+2+k)
+    valid         loss_mask[t+1+k] & attention_mask[t+1+k] & t+1+k < S & the verifier's
+                  full-vocab argmax at t+1+k is in the draft vocab
+Attention of step k: the query at t sees the step-0 keys causally (positions <= t) plus the keys
+of steps 1..k at the same position t (the "diagonal"), one joint softmax. That is one S×S block
+plus k diagonal terms per step; the attention core is recomputed in backward (activation
+checkpointing), so no S×S tensor is kept per step and memory grows linearly with K.
+Loss: soft cross-entropy against p_teacher on the valid positions of each step (mean), total
+Σ_k w^k loss_k / Σ_k w^k; lm_head + log_softmax run on gathered valid rows only, in checkpointed
+chunks, so no [S, Vd] fp32 logits are held per step.
+
+Differences from SpecForge (specforge/core/eagle3.py, on purpose): the loss mask is taken at the
+target's position t+1+k (SpecForge: t+k), and the step-0 keys stay visible up to t at every step
+(SpecForge masks one more diagonal of the causal block per step, a mask inference never uses).
+
+    python -m eagle3_ray.ttt --ttt-steps 4      # tiny random drafter + batch: loss and metrics
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Per-step sums that aggregate across batches and workers by plain addition.
+#   count: valid positions of step k        correct: valid and argmax == teacher argmax
+#   window: valid at every step 0..k        cond_count: valid at k, steps 0..k-1 valid + correct
+#   all_correct: steps 0..k valid + correct  loss_sum: Σ soft cross-entropy over valid positions
+COUNT_KEYS = ("count", "correct", "window", "cond_count", "all_correct", "loss_sum")
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """y[:, t] = x[:, t + n], `fill` past the end. [B, S] -> [B, S]"""
+    b, s = x.shape[:2]
+    if n >= s:
+        return torch.full_like(x, fill)
+    return torch.cat([x[:, n:], x.new_full((b, n) + x.shape[2:], fill)], dim=1)  # [B, S]
+
+
+ATTN_BLOCK = 256  # query rows per block: a block's scores stop at its last key (skips ~40%)
+
+
+def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+            *diag: torch.Tensor) -> torch.Tensor:
+    """Joint softmax over the step-0 keys (causal; `hidden_keys` [B, 1, 1, S, S] True = masked)
+    and the diagonal keys of steps 1..k. q [B, nh, S, D]; k0, v0 and each diagonal k/v
+    [B, nkv, S, D]; diag = (k_1..k_k, v_1..v_k). Returns [B, S, nh*D].
+    Queries go in blocks of ATTN_BLOCK rows that score only the keys up to the block's end. The
+    softmax is written out (shared row max, exp, one normalization after the value sums), in
+    place on the fresh score matrix, so no S×S tensor is concatenated, sliced or copied."""
+    b, nh, s, d = q.shape
+    nkv = k0.shape[1]
+    g = nh // nkv                                       # query heads per kv head (GQA)
+    kd, vd = diag[:len(diag) // 2], diag[len(diag) // 2:]
+    acc = torch.promote_types(q.dtype, torch.float32)   # softmax precision (fp32, or fp64)
+    qg = q.reshape(b, nkv, g, s, d) * (1.0 / math.sqrt(d))  # [B, nkv, g, S, D]; head = kv*g + r
+    outs = []
+    for start in range(0, s, ATTN_BLOCK):
+        end = min(s, start + ATTN_BLOCK)
+        n = end - start
+        qb = qg[:, :, :, start:end]                                        # [B, nkv, g, n, D]
+        scores = (qb.reshape(b, nkv, g * n, d) @ k0[:, :, :end].transpose(-1, -2)).to(acc)
+        hide = hidden_keys[..., start:end, :end].expand(b, 1, g, n, end).reshape(b, 1, g * n, end)
+        scores.masked_fill_(hide, float("-inf"))                           # [B, nkv, g*n, end]
+        with torch.no_grad():                           # a constant shift: exact gradients
+            row_max = scores.amax(-1, keepdim=True)                        # [B, nkv, g*n, 1]
+        if kd:
+            diagonal = torch.stack([(qb * kj[:, :, None, start:end]).sum(-1) for kj in kd], -1)
+            diagonal = diagonal.reshape(b, nkv, g * n, len(kd)).to(acc)    # [B, nkv, g*n, k]
+            row_max = torch.maximum(row_max, diagonal.detach().amax(-1, keepdim=True))
+        e = scores.sub_(row_max).exp_()                 # [B, nkv, g*n, end]; masked -> 0
+        total = e.sum(-1, keepdim=True)                                    # [B, nkv, g*n, 1]
+        out = (e.to(v0.dtype) @ v0[:, :, :end]).to(acc)                    # [B, nkv, g*n, D]
+        if kd:
+            ed = (diagonal - row_max).exp()                                # [B, nkv, g*n, k]
+            total = total + ed.sum(-1, keepdim=True)
+            out = out.view(b, nkv, g, n, d)
+            for j, vj in enumerate(vd):
+                w = ed[..., j].view(b, nkv, g, n, 1)
+                out = out + w * vj[:, :, None, start:end]                  # [B, nkv, g, n, D]
+        outs.append((out.reshape(b, nkv, g * n, d) / total).view(b, nkv, g, n, d))
+    out = torch.cat(outs, dim=3).to(q.dtype)                               # [B, nkv, g, S, D]
+    return out.reshape(b, nh, s, d).transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*D]
+
+
+class DiagonalAttention:
+    """The `attend(q, k, v)` of Eagle3Drafter.forward for one TTT unroll. Its first call (step 0)
+    stores the step-0 keys/values; call k appends step k's as diagonal terms. Holds references
+    only: no growing concatenation of keys across positions."""
+
+    def __init__(self, attention_mask: torch.Tensor, checkpoint_core: bool = True):
+        s = attention_mask.shape[1]
+        idx = torch.arange(s, device=attention_mask.device)
+        causal = idx[None, :] <= idx[:, None]                              # [S, S] key <= query
+        # Padded keys hidden too; a query always sees its own position, so no row is empty.
+        allowed = (causal & attention_mask.bool()[:, None, :]) | (idx[None, :] == idx[:, None])
+        self.hidden_keys = ~allowed[:, None, None]                         # [B, 1, 1, S, S]
+        self.checkpoint_core = checkpoint_core
+        self.k0 = self.v0 = None
+        self.kd: list[torch.Tensor] = []
+        self.vd: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+        else:
+            self.kd.append(k)
+            self.vd.append(v)
+        args = (self.hidden_keys, q, self.k0, self.v0, *self.kd, *self.vd)
+        if self.checkpoint_core and torch.is_grad_enabled():
+            return checkpoint(_attend, *args, use_reentrant=False)
+        return _attend(*args)
+
+
+def _soft_ce(drafter, hidden: torch.Tensor, p_rows: torch.Tensor, rows: torch.Tensor):
+    """hidden [n, H], targets p_rows[rows] ([n, Vd]) -> (Σ_rows -Σ_v p log q, drafter argmax [n]).
+    The targets are gathered inside, so a checkpoint saves only the row indices."""
+    logits = drafter.logits(hidden)                                        # [n, Vd]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp32 (fp64 stays)
+    loss = -(p_rows[rows] * logits.log_softmax(-1)).sum()
+    return loss, logits.argmax(-1)
+
+
+def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, p_rows: torch.Tensor,
+               chunk_size: int):
+    """Loss sum and argmax over the valid positions (rows >= 0) of one step.
+    hidden [B, S, H], rows [B, S] (teacher row per position, -1 = invalid), p_rows [M, Vd]."""
+    valid = rows >= 0
+    h, r = hidden[valid], rows[valid]                                      # [N, H], [N]
+    if len(r) == 0:  # keep lm_head/norm in the graph (DDP expects a grad for every parameter)
+        h, p = hidden.reshape(-1, hidden.shape[-1])[:1], p_rows.new_zeros(1, p_rows.shape[1])
+        loss, _ = _soft_ce(drafter, h, p, torch.zeros(1, dtype=torch.long, device=h.device))
+        return loss, r
+    total, preds = 0.0, []
+    for c in range(0, len(r), chunk_size):
+        args = (drafter, h[c:c + chunk_size], p_rows, r[c:c + chunk_size])  # [n, H], [M, Vd], [n]
+        if torch.is_grad_enabled():
+            loss, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
+        else:
+            loss, pred = _soft_ce(*args)
+        total, preds = total + loss, preds + [pred]
+    return total, torch.cat(preds)
+
+
+def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
+             chunk_size: int = 512, checkpoint_attention: bool = True):
+    """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
+    through its forward) on one batch -> (loss, metrics).
+
+    batch: input_ids [B, S] long, loss_mask [B, S], attention_mask [B, S] (1 = real token, right
+    padding), aux_hidden_states [B, S, 3H], last_hidden_states [B, S, H] (any float dtype).
+    metrics (plain floats/lists, per step k): loss_k, acc_k, cond_acc_k (among positions whose
+    steps 0..k-1 were valid and correct), p_k (steps 0..k all correct, over positions valid at
+    all of 0..k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive COUNT_KEYS sums that
+    `aggregate_metrics` combines across batches/workers."""
+    if ttt_steps < 1:
+        raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    drafter = getattr(model, "module", model)
+    dtype = drafter.fc.weight.dtype
+    ids = batch["input_ids"].long()                                        # [B, S]
+    b, s = ids.shape
+    real = batch["attention_mask"].bool()                                  # [B, S]
+    aux = batch["aux_hidden_states"].to(dtype)
+    aux = aux.reshape(b, s, -1)                                            # [B, S, 3H]
+
+    # Teacher, once per batch, only where some step can use it: u = t+1+k >= 1, masked in.
+    wanted = batch["loss_mask"].bool() & real                              # [B, S]
+    wanted[:, 0] = False
+    p_rows, in_draft = teacher(batch["last_hidden_states"][wanted])        # [M, Vd], [M]
+    target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
+    target_row[wanted] = torch.where(in_draft, torch.arange(len(p_rows), device=ids.device), -1)
+    teacher_top = p_rows.argmax(-1)                                        # [M]
+
+    positions = torch.arange(s, device=ids.device)[None].expand(b, s)     # [B, S]
+    attend = DiagonalAttention(real, checkpoint_attention)
+    hidden, losses = aux, []
+    chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
+    window = torch.ones(b, s, dtype=torch.bool, device=ids.device)         # steps <= k all valid
+    sums = {key: [] for key in COUNT_KEYS}
+    for k in range(ttt_steps):
+        tokens = shift_left(ids, 1 + k, 0)                                 # [B, S] token t+1+k
+        hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S, H]
+        rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
+        loss_sum, pred = _step_loss(drafter, hidden, rows, p_rows, chunk_size)
+        valid = rows >= 0
+        n = int(valid.sum())
+        losses.append(loss_sum / max(n, 1))
+        with torch.no_grad():
+            ok = torch.zeros_like(valid)
+            ok[valid] = pred == teacher_top[rows[valid]]                   # valid & correct
+            sums["count"].append(n)
+            sums["correct"].append(int(ok.sum()))
+            window = window & valid
+            sums["window"].append(int(window.sum()))
+            sums["cond_count"].append(int((valid & chain).sum()))
+            chain = chain & ok
+            sums["all_correct"].append(int(chain.sum()))
+            sums["loss_sum"].append(float(loss_sum.detach()))
+    weights = [step_weight_decay ** k for k in range(ttt_steps)]
+    loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
+    metrics = summarize(sums)
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def summarize(sums: dict) -> dict:
+    """COUNT_KEYS sums (lists over steps) -> per-step ratios + accept_len (sums kept)."""
+    def ratio(a, c):
+        return [x / y if y else 0.0 for x, y in zip(a, c)]
+    cond = ratio(sums["all_correct"], sums["cond_count"])
+    accept, prod = 1.0, 1.0
+    for a in cond:
+        prod *= a
+        accept += prod
+    return {**{key: list(sums[key]) for key in COUNT_KEYS},
+            "loss_k": ratio(sums["loss_sum"], sums["count"]),
+            "acc_k": ratio(sums["correct"], sums["count"]),
+            "cond_acc_k": cond,
+            "p_k": ratio(sums["all_correct"], sums["window"]),
+            "accept_len": accept}
+
+
+def aggregate_metrics(metrics: list[dict]) -> dict:
+    """Combine ttt_loss metrics of several batches/workers: add the sums, recompute ratios
+    (never a mean of means). For all-reduce, sum the COUNT_KEYS lists and call summarize."""
+    steps = len(metrics[0]["count"])
+    sums = {key: [sum(m[key][k] for m in metrics) for k in range(steps)] for key in COUNT_KEYS}
+    return summarize(sums)
+
+
+def main(argv=None):
+    from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ttt-steps", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    c = DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    intermediate_size=128, vocab_size=500, draft_vocab_size=200)
+    drafter = Eagle3Drafter(c)
+    head = torch.randn(c.vocab_size, c.hidden_size) * 0.1
+    teacher = Teacher(torch.ones(c.hidden_size), head[:200], head[200:], c.rms_norm_eps)
+    batch = {"input_ids": torch.randint(0, c.vocab_size, (2, a.seq)),
+             "loss_mask": torch.ones(2, a.seq), "attention_mask": torch.ones(2, a.seq),
+             "aux_hidden_states": torch.randn(2, a.seq, 3 * c.hidden_size),
+             "last_hidden_states": torch.randn(2, a.seq, c.hidden_size)}
+    loss, m = ttt_loss(drafter, teacher, batch, a.ttt_steps)
+    loss.backward()
+    print(json.dumps({k: m[k] for k in ("loss", "loss_k", "acc_k", "accept_len")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Drafter checkpoint: save/load round trip, atomicity, clear errors, and engine exports."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_ray import checkpoint, schema, vocab
+from eagle3_ray.draft import DraftConfig
+
+AUX = [2, 4, 5]          # vLLM convention -> SGLang [1, 3, 4]
+
+
+def tiny_config(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                intermediate_size=64, vocab_size=100, draft_vocab_size=40, aux_layer_ids=AUX,
+                rope_theta=50000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def random_state(cfg: DraftConfig, seed: int = 0, dtype=torch.bfloat16) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(shape, generator=g).to(dtype)
+             for k, (shape, dt) in checkpoint.expected_shapes(cfg).items() if dt is None}
+    counts = np.random.default_rng(seed).integers(0, 50, cfg.vocab_size)
+    state["d2t"], state["t2d"] = vocab.build_mapping(counts, cfg.draft_vocab_size)
+    state["embed_tokens.weight"] = torch.randn(cfg.vocab_size, cfg.hidden_size)   # dropped
+    state["midlayer.self_attn.rotary_emb.inv_freq"] = torch.ones(cfg.head_dim // 2)  # dropped
+    return state
+
+
+META = {"ttt_steps": 12, "dataset_manifest_hash": "abc123", "metrics": {"acc_0": 0.7},
+        "verifier": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "verifier_architectures": ["LlamaForCausalLM"]}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    cfg, state = tiny_config(), random_state(tiny_config())
+    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg, META)
+    return d, state, cfg
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_round_trip(saved):
+    d, state, cfg = saved
+    assert sorted(os.listdir(d)) == ["config.json", "meta.json", "model.safetensors"]
+    loaded, cfg2, meta = checkpoint.load_drafter(d)
+    expected = {k: v for k, v in state.items() if k in checkpoint.expected_shapes(cfg)}
+    assert_same(loaded, expected)
+    assert cfg2 == cfg
+    for k, v in META.items():
+        assert meta[k] == v
+    assert meta["tool_version"] and meta["created"] and meta["files"]["model.safetensors"]["sha256"]
+    config = json.load(open(os.path.join(d, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["eagle3_ray"]["layer_id_convention"] == schema.LAYER_ID_CONVENTION
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["torch_dtype"] == "bfloat16"
+
+
+def test_overwrite_and_save_rejects_bad_state(tmp_path, saved):
+    d, state, cfg = saved
+    state2 = random_state(cfg, seed=1, dtype=torch.float32)
+    checkpoint.save_drafter(d, state2, cfg, {"ttt_steps": 3})
+    loaded, _, meta = checkpoint.load_drafter(d)
+    assert torch.equal(loaded["fc.weight"], state2["fc.weight"]) and meta["ttt_steps"] == 3
+    assert not [n for n in os.listdir(os.path.dirname(d)) if n.startswith(".")]  # no leftovers
+
+    bad = dict(state2)
+    bad["lm_head.weight"] = torch.zeros(41, 32)
+    bad["rotary.inv_freq"] = torch.zeros(4)
+    with pytest.raises(ValueError) as err:
+        checkpoint.save_drafter(str(tmp_path / "bad"), bad, cfg)
+    assert "unexpected rotary.inv_freq" in str(err.value)
+    assert "lm_head.weight has shape [41, 32], expected [40, 32]" in str(err.value)
+    bad = dict(state2)
+    del bad["t2d"]
+    with pytest.raises(ValueError, match="missing t2d"):
+        checkpoint.save_drafter(str(tmp_path / "bad"), bad, cfg)
+    bad = dict(state2, d2t=state2["d2t"] + 1)
+    with pytest.raises(ValueError, match="disagree"):
+        checkpoint.save_drafter(str(tmp_path / "bad"), bad, cfg)
+    assert not os.path.exists(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "meta.json"])
+def test_missing_file_named(saved, name):
+    d, _, _ = saved
+    os.remove(os.path.join(d, name))
+    with pytest.raises(FileNotFoundError, match=name):
+        checkpoint.load_drafter(d)
+
+
+def test_malformed_files_named(saved, tmp_path):
+    d, _, _ = saved
+    with pytest.raises(FileNotFoundError, match="no such"):
+        checkpoint.load_drafter(str(tmp_path / "nope"))
+    w = os.path.join(d, "model.safetensors")
+    data = open(w, "rb").read()
+    open(w, "wb").write(data[: len(data) // 2])                  # truncated weights
+    with pytest.raises(ValueError, match="model.safetensors.*truncated"):
+        checkpoint.load_drafter(d)
+    open(w, "wb").write(b"\x00" * len(data))                     # same size, garbage
+    with pytest.raises(ValueError, match="model.safetensors.*safetensors"):
+        checkpoint.load_drafter(d)
+    open(w, "wb").write(data)
+    c = os.path.join(d, "config.json")
+    size = os.path.getsize(c)
+    open(c, "w").write("{not json".ljust(size))                 # same size, not JSON
+    with pytest.raises(ValueError, match="config.json.*JSON"):
+        checkpoint.load_drafter(d)
+    open(c, "w").write("{not json")                             # another size
+    with pytest.raises(ValueError, match="config.json.*truncated"):
+        checkpoint.load_drafter(d)
+
+
+def test_crash_leaves_no_complete_looking_checkpoint(tmp_path, saved, monkeypatch):
+    d, state, cfg = saved
+    real = checkpoint._write_json
+
+    def crash_on_meta(path, obj):
+        if path.endswith("meta.json"):
+            raise KeyboardInterrupt("simulated crash")
+        real(path, obj)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *a, **k: None)  # a kill cleans nothing
+    monkeypatch.setattr(checkpoint, "_write_json", crash_on_meta)
+    new = str(tmp_path / "new")
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_drafter(new, state, cfg, META)
+    assert not os.path.exists(new)
+    leftovers = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    assert leftovers                                          # the half-written temp dir ...
+    with pytest.raises(FileNotFoundError, match="meta.json"):  # ... is not a checkpoint
+        checkpoint.load_drafter(str(tmp_path / leftovers[0]))
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load_drafter(new)
+
+    with pytest.raises(KeyboardInterrupt):                    # crash while overwriting
+        checkpoint.save_drafter(d, random_state(cfg, seed=5), cfg, META)
+    loaded, _, _ = checkpoint.load_drafter(d)                 # the old one is intact
+    assert torch.equal(loaded["fc.weight"], state["fc.weight"])
+
+
+def _export(saved, tmp_path, fmt, **kw):
+    d, state, cfg = saved
+    out = checkpoint.export(d, str(tmp_path / fmt), fmt, **kw)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    expected = {k: v for k, v in state.items() if k in checkpoint.expected_shapes(cfg)}
+    return weights, config, expected, cfg
+
+
+def _check_llama_eagle3_config(config, cfg):
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
+    assert config["vocab_size"] == 100 and config["draft_vocab_size"] == 40
+    assert config["target_hidden_size"] == 32 and config["hidden_size"] == 32
+    assert config["head_dim"] == 8 and config["num_key_value_heads"] == 2
+    assert config["tie_word_embeddings"] is False and config["norm_before_residual"] is False
+    assert config["rope_theta"] == 50000.0 and config["rope_scaling"]["rope_type"] == "llama3"
+    assert config["eagle_config"]["use_aux_hidden_state"] is True
+
+
+def test_export_sglang(saved, tmp_path):
+    weights, config, expected, cfg = _export(saved, tmp_path, "sglang")
+    assert_same(weights, expected)
+    assert "embed_tokens.weight" not in weights
+    _check_llama_eagle3_config(config, cfg)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]   # i - 1
+    assert "eagle_aux_hidden_state_layer_ids" not in config
+    assert config["eagle3_ray"]["export"] == "sglang"
+
+
+def test_export_vllm(saved, tmp_path):
+    weights, config, expected, cfg = _export(saved, tmp_path, "vllm")
+    assert_same(weights, expected)
+    _check_llama_eagle3_config(config, cfg)
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX                 # used as-is
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+
+
+def test_export_speculators(saved, tmp_path):
+    weights, config, expected, cfg = _export(saved, tmp_path, "speculators")
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in expected.items()}
+    assert_same(weights, renamed)
+    assert "layers.0.self_attn.q_proj.weight" in weights and "d2t" in weights
+    assert config["speculators_model_type"] == "eagle3"
+    tl = config["transformer_layer_config"]
+    assert tl["model_type"] == "llama" and tl["vocab_size"] == 100 and tl["hidden_size"] == 32
+    assert tl["num_hidden_layers"] == 1 and tl["head_dim"] == 8
+    assert config["draft_vocab_size"] == 40 and config["target_hidden_size"] == 32
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["norm_before_residual"] is False
+    sc = config["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 12,
+                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert sc["verifier"] == {"name_or_path": META["verifier"],
+                              "architectures": ["LlamaForCausalLM"]}
+    _, config, _, _ = _export(saved, tmp_path, "speculators", verifier="v/x",
+                              speculative_tokens=4)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "v/x"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+
+
+def test_export_full_vocab_and_errors(tmp_path, saved):
+    cfg = tiny_config(draft_vocab_size=100)
+    d = checkpoint.save_drafter(str(tmp_path / "full"), random_state(cfg), cfg)
+    w = load_file(os.path.join(checkpoint.export(d, str(tmp_path / "s"), "speculators"),
+                               "model.safetensors"))
+    assert "d2t" not in w and "t2d" not in w                  # identity: speculators omits them
+    w = load_file(os.path.join(checkpoint.export(d, str(tmp_path / "v"), "vllm"),
+                               "model.safetensors"))
+    assert int(w["d2t"].abs().sum()) == 0 and bool(w["t2d"].all())
+    with pytest.raises(ValueError, match="export format"):
+        checkpoint.export(saved[0], str(tmp_path / "x"), "onnx")
+    cfg0 = tiny_config(aux_layer_ids=[0, 3, 5])
+    d0 = checkpoint.save_drafter(str(tmp_path / "zero"), random_state(cfg0), cfg0)
+    with pytest.raises(ValueError, match="SGLang cannot capture"):
+        checkpoint.export(d0, str(tmp_path / "sg"), "sglang")
+    assert not os.path.exists(tmp_path / "sg")
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        checkpoint.load_drafter(str(tmp_path / "v"))          # an export is not a checkpoint
+
+
+def test_manifest_hash():
+    m = {"format": schema.FORMAT, "created": "t0", "summary": {"samples": 3},
+         "facts": {"verifier": "x", "hidden_size": 64, "aux_layer_ids": [2, 4, 5]},
+         "files": [{"name": "part-b.parquet", "rows": 2, "tokens": 20, "bytes": 100},
+                   {"name": "part-a.parquet", "rows": 1, "tokens": 9, "bytes": 50}]}
+    h = checkpoint.manifest_hash(m)
+    assert len(h) == 16
+    same = dict(m, created="t1", summary={}, files=list(reversed(m["files"])),
+                facts=dict(reversed(list(m["facts"].items()))))
+    assert checkpoint.manifest_hash(same) == h
+    assert checkpoint.manifest_hash(dict(m, facts=dict(m["facts"], hidden_size=65))) != h
+    assert checkpoint.manifest_hash(dict(m, files=m["files"][:1])) != h
+    with pytest.raises(ValueError, match="facts"):
+        checkpoint.manifest_hash({"files": []})

@@ -1,0 +1,271 @@
+"""The TTT unroll (eagle3_ray/ttt.py) against a naive reference: every step's keys of every
+position concatenated, one full boolean mask, full logits, no chunking."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eagle3_ray import ttt
+from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher, causal_attention, rms_norm
+
+B, S, V, VD = 2, 12, 50, 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(seed=0, dtype=torch.float64):
+    """A tiny drafter + teacher + batch: right padding in sample 1, masked positions, a draft
+    vocab that misses some teacher argmaxes."""
+    g = torch.Generator().manual_seed(seed)
+    c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=48, vocab_size=V, draft_vocab_size=VD, rope_theta=100.0)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(c).to(dtype)
+    with torch.no_grad():  # bigger weights than the 0.02 init so every term matters
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, 0.3, generator=g)
+        drafter.norm.weight.uniform_(0.5, 1.5, generator=g)
+    target_ids = torch.sort(torch.randperm(V, generator=g)[:VD]).values       # [Vd]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[target_ids] = True
+    d2t = target_ids - torch.arange(VD)
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    head = torch.randn(V, 32, generator=g, dtype=dtype)                      # verifier lm_head
+    norm_w = torch.rand(32, generator=g, dtype=dtype) + 0.5
+    teacher = Teacher(norm_w, head[target_ids], head[~t2d], c.rms_norm_eps)
+    attention = torch.ones(B, S, dtype=torch.long)
+    attention[1, 9:] = 0                                                     # right padding
+    loss_mask = (torch.rand(B, S, generator=g) > 0.25).long() * attention
+    batch = {"input_ids": torch.randint(0, V, (B, S), generator=g) * attention,
+             "loss_mask": loss_mask, "attention_mask": attention,
+             "aux_hidden_states": torch.randn(B, S, 96, generator=g, dtype=dtype),
+             "last_hidden_states": torch.randn(B, S, 32, generator=g, dtype=dtype)}
+    full = {"head": head, "norm": norm_w, "t2d": t2d, "target_ids": target_ids}
+    return drafter, teacher, batch, full
+
+
+def naive_loss(drafter, batch, full, steps, decay):
+    """Reference: explicit keys of all steps × all positions with a full mask, full logits."""
+    c = drafter.config
+    ids, att = batch["input_ids"], batch["attention_mask"].bool()
+    # teacher over the FULL vocab
+    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], c.rms_norm_eps) @ full["head"].T
+    in_draft = full["t2d"][logits_full.argmax(-1)]                            # [B, S]
+    p = logits_full[..., full["target_ids"]].softmax(-1)                      # [B, S, Vd]
+    ok = batch["loss_mask"].bool() & att & in_draft
+    hidden = drafter.fuse(batch["aux_hidden_states"])
+    pos = torch.arange(S)
+    keys, values, losses = [], [], []
+    for k in range(steps):
+        tok = torch.zeros_like(ids)                                           # token t+1+k
+        tok[:, :S - 1 - k] = ids[:, 1 + k:]
+        q, kk, vv = drafter.qkv(tok, hidden, (pos + k)[None].expand(B, S))
+        keys.append(kk)
+        values.append(vv)
+        K = torch.cat(keys, dim=2)                                            # [B, nkv, (k+1)S, D]
+        Vv = torch.cat(values, dim=2)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        K, Vv = K.repeat_interleave(rep, 1), Vv.repeat_interleave(rep, 1)     # [B, nh, (k+1)S, D]
+        # mask[b, t, (j, s)]: j == 0: s <= t and key s real (or s == t); j >= 1: s == t
+        kpos = pos.repeat(k + 1)                                              # [(k+1)S]
+        kstep = torch.arange(k + 1).repeat_interleave(S)
+        qpos = pos[:, None]
+        mask = torch.where(kstep[None] == 0,
+                           ((kpos[None] <= qpos)[None] & att[:, None, :].repeat(1, 1, k + 1))
+                           | (kpos[None] == qpos)[None],
+                           (kpos[None] == qpos)[None])                        # [B, S, (k+1)S]
+        scores = q @ K.transpose(-1, -2) / math.sqrt(c.head_dim)
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        out = scores.softmax(-1) @ Vv                                         # [B, nh, S, D]
+        hidden = drafter.finish(hidden, out.transpose(1, 2).reshape(B, S, -1))
+        logp = drafter.logits(hidden).log_softmax(-1)                         # [B, S, Vd]
+        tgt = torch.zeros_like(p)
+        valid = torch.zeros_like(ok)
+        if k + 1 < S:
+            tgt[:, :S - 1 - k] = p[:, 1 + k:]
+            valid[:, :S - 1 - k] = ok[:, 1 + k:]
+        per_pos = -(tgt * logp).sum(-1)
+        losses.append((per_pos * valid).sum() / valid.sum().clamp(min=1))
+    w = [decay ** k for k in range(steps)]
+    return sum(wi * li for wi, li in zip(w, losses)) / sum(w)
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("steps,block", [(1, 256), (2, 256), (5, 256), (5, 5)])
+def test_matches_naive_reference(steps, block, monkeypatch):
+    monkeypatch.setattr(ttt, "ATTN_BLOCK", block)  # 5: queries in 3 blocks of the 12 positions
+    drafter, teacher, batch, full = tiny()
+    ref = naive_loss(drafter, batch, full, steps, 0.8)
+    ref.backward()
+    g_ref = grads(drafter)
+    drafter.zero_grad()
+    loss, m = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, chunk_size=5)
+    loss.backward()
+    g = grads(drafter)
+    assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
+    assert set(g) == set(g_ref)
+    for n in g:
+        assert torch.allclose(g[n], g_ref[n], rtol=1e-8, atol=1e-11), n
+        assert g[n].abs().sum() > 0, n
+    assert m["count"][0] > 0 and len(m["acc_k"]) == steps
+    # no checkpointing / no chunking: same numbers
+    drafter.zero_grad()
+    loss2, _ = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, chunk_size=1000,
+                            checkpoint_attention=False)
+    loss2.backward()
+    assert torch.allclose(loss2, ref, rtol=1e-10)
+    for n, v in grads(drafter).items():
+        assert torch.allclose(v, g_ref[n], rtol=1e-8, atol=1e-11), n
+
+
+def test_step0_is_plain_causal_forward():
+    drafter, _, batch, _ = tiny()
+    ids = batch["input_ids"]
+    tok = torch.cat([ids[:, 1:], ids[:, :1] * 0], 1)
+    pos = torch.arange(S)[None].expand(B, S)
+    plain = drafter(tok, batch["aux_hidden_states"], pos)                    # SDPA causal
+    diag = drafter(tok, batch["aux_hidden_states"], pos,
+                   attend=ttt.DiagonalAttention(torch.ones(B, S), checkpoint_core=False))
+    assert torch.allclose(plain, diag, rtol=1e-10, atol=1e-12)
+
+
+def test_teacher_matches_full_vocab():
+    drafter, teacher, batch, full = tiny()
+    h = batch["last_hidden_states"].reshape(-1, 32)
+    p, inside = teacher(h)
+    logits = rms_norm(h, full["norm"], 1e-6) @ full["head"].T
+    assert torch.allclose(p, logits[:, full["target_ids"]].softmax(-1))
+    assert torch.equal(inside, full["t2d"][logits.argmax(-1)])
+    assert 0 < int(inside.sum()) < len(inside)                               # both cases occur
+
+
+def test_perfect_drafter_accepts_everything():
+    """Teacher argmax = draft id 0 everywhere; a drafter with norm weight 0 has all-zero logits,
+    whose argmax is id 0 too -> acc 1 at every step, accept_len = 1 + K."""
+    drafter, _, batch, _ = tiny()
+    h = 32
+    x = torch.ones(h, dtype=torch.float64)
+    head_draft = torch.randn(VD, h, dtype=torch.float64) * 0.01
+    head_draft[0] = 5.0
+    teacher = Teacher(torch.ones(h, dtype=torch.float64), head_draft,
+                      torch.zeros(V - VD, h, dtype=torch.float64), 1e-6)
+    batch = {**batch, "last_hidden_states": x.expand(B, S, h).clone()}
+    with torch.no_grad():
+        drafter.norm.weight.zero_()
+    steps = 4
+    _, m = ttt.ttt_loss(drafter, teacher, batch, steps)
+    assert m["acc_k"] == [1.0] * steps and m["cond_acc_k"] == [1.0] * steps
+    assert m["p_k"] == [1.0] * steps
+    assert m["accept_len"] == 1 + steps
+
+
+def test_metric_counts_match_brute_force():
+    drafter, teacher, batch, full = tiny(seed=3)
+    steps = 3
+    with torch.no_grad():
+        _, m = ttt.ttt_loss(drafter, teacher, batch, steps)
+    # brute force from the naive pieces: per (b, t) the list of (valid, correct) per step
+    c = drafter.config
+    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], 1e-6) @ full["head"].T
+    ok_pos = batch["loss_mask"].bool() & batch["attention_mask"].bool() & \
+        full["t2d"][logits_full.argmax(-1)]
+    top = logits_full[..., full["target_ids"]].argmax(-1)
+    hidden = drafter.fuse(batch["aux_hidden_states"])
+    attend = ttt.DiagonalAttention(batch["attention_mask"], checkpoint_core=False)
+    preds = []
+    with torch.no_grad():
+        for k in range(steps):
+            tok = ttt.shift_left(batch["input_ids"], 1 + k, 0)
+            hidden = drafter(tok, hidden, torch.arange(S)[None].expand(B, S) + k, attend=attend)
+            preds.append(drafter.logits(hidden).argmax(-1))
+    count, correct, cond_count, all_correct = [0] * steps, [0] * steps, [0] * steps, [0] * steps
+    window = [0] * steps
+    for b in range(B):
+        for t in range(S):
+            chain, all_valid = True, True
+            for k in range(steps):
+                u = t + 1 + k
+                valid = u < S and bool(ok_pos[b, u])
+                right = valid and int(preds[k][b, t]) == int(top[b, u])
+                count[k] += valid
+                correct[k] += right
+                all_valid = all_valid and valid
+                window[k] += all_valid
+                cond_count[k] += valid and chain
+                chain = chain and right
+                all_correct[k] += chain
+    assert m["count"] == count and m["correct"] == correct
+    assert m["cond_count"] == cond_count and m["all_correct"] == all_correct
+    assert m["window"] == window
+    assert m["p_k"] == [a / w if w else 0.0 for a, w in zip(all_correct, window)]
+    assert c.draft_vocab_size == VD
+    agg = ttt.aggregate_metrics([m, m])
+    assert agg["count"] == [2 * x for x in count] and agg["acc_k"] == m["acc_k"]
+
+
+def test_wrapped_model_and_no_grad():
+    """A DDP-like wrapper (`.module`, forward passthrough) and eval under no_grad agree."""
+    drafter, teacher, batch, _ = tiny()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+            self.calls = 0
+
+        def forward(self, *a, **kw):
+            self.calls += 1
+            return self.module(*a, **kw)
+
+    w = Wrap(drafter)
+    loss_w, _ = ttt.ttt_loss(w, teacher, batch, 3)
+    assert w.calls == 3
+    loss, _ = ttt.ttt_loss(drafter, teacher, batch, 3)
+    with torch.no_grad():
+        loss_ng, m_ng = ttt.ttt_loss(drafter, teacher, batch, 3)
+    assert torch.allclose(loss_w, loss) and torch.allclose(loss_ng, loss)
+    assert m_ng["loss"] == pytest.approx(float(loss))
+
+
+def test_loss_falls_when_training():
+    torch.manual_seed(0)
+    drafter, teacher, batch, _ = tiny(dtype=torch.float32)
+    batch = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}
+    teacher = teacher.float()
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    first = None
+    for _ in range(50):
+        loss, m = ttt.ttt_loss(drafter, teacher, batch, 3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = first if first is not None else float(loss)
+    assert float(loss) < 0.7 * first, (first, float(loss))
+
+
+def test_32_steps_run_and_empty_steps_keep_the_graph():
+    drafter, teacher, batch, _ = tiny(dtype=torch.float32)
+    batch = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}
+    loss, m = ttt.ttt_loss(drafter, teacher.float(), batch, 32)
+    loss.backward()
+    assert len(m["loss_k"]) == 32 and m["count"][-1] == 0 and m["count"][0] > 0
+    assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
+    assert math.isfinite(float(loss))
+    # a batch with no valid position at all still gives a differentiable zero loss
+    empty = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    loss0, m0 = ttt.ttt_loss(drafter, teacher.float(), empty, 2)
+    loss0.backward()
+    assert float(loss0) == 0.0 and m0["count"] == [0, 0]
