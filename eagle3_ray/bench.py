@@ -1,5 +1,9 @@
 """Benchmarks, measured side by side in one run (these machines are shared and noisy).
 
+bench quality: drafters trained with ttt_steps 1, 4, 8 for the same wall-clock budget on one
+embedded-default dataset (>= 1,000 ShareGPT conversations), evaluated held out at positions
+0-15. Writes <out>/quality.json and <out>/quality.png (see bench_quality).
+
 bench extract: the Ray Data extraction pipeline against a plain transformers forward loop over
 the same samples (same verifier, tokens, dtype and thread count; the loop does no I/O, no
 tokenization, no Ray). Repeats interleave the two (loop, pipeline, loop, pipeline, ...) and the
@@ -18,6 +22,14 @@ import time
 import torch
 
 from eagle3_ray import data, verifier
+
+
+def save_result(out_dir: str, name: str, result: dict, plot) -> None:
+    """<out_dir>/<name>.json and <name>.png (plot(result, path))."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    plot(result, os.path.join(out_dir, f"{name}.png"))
 
 
 def plain_loop(spec: str, seqs: list[list[int]], layer_ids: list[int]) -> dict:
@@ -96,10 +108,7 @@ def bench_extract(samples: int = 128, max_length: int = 512, out_dir: str = "run
                 "the extractor actor's time inside its batches vs the loop's forwards. "
                 "Target >= 0.85.",
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "extract.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    _plot(result, os.path.join(out_dir, "extract.png"))
+    save_result(out_dir, "extract", result, _plot)
     print(f"[bench] extract: pipeline / plain loop = {result['ratio_paired_median']:.2f} "
           f"(median of paired repeats {[round(x, 2) for x in paired]}), "
           f"{result['ratio_best_vs_best']:.2f} best vs best, "
@@ -167,7 +176,7 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
     h, v, vd, s = c.hidden_size, c.vocab_size, c.draft_vocab_size, seq
     drafter = Eagle3Drafter(c)
     head = torch.randn(v, h, generator=g) * 0.02                          # verifier lm_head [V, H]
-    # Non-draft rows a bit weaker, so most teacher argmaxes fall in the draft vocab, as on real data.
+    # Non-draft rows a bit weaker: most teacher argmaxes fall in the draft vocab, as on real data.
     teacher = Teacher(torch.ones(h), head[:vd].clone(), head[vd:] * 0.8, c.rms_norm_eps)
     batch = {"input_ids": torch.randint(0, v, (1, s), generator=g),
              "loss_mask": synthetic_loss_mask(s, g)[None],                # [1, S]
@@ -176,17 +185,19 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
              "last_hidden_states": torch.randn(1, s, h, generator=g).to(torch.bfloat16)}
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     rss_before = _status_mib("VmRSS")
-    times, m = [], {}
+    times, cpu, m = [], [], {}
     for _ in range(warmup + steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss, m = ttt.ttt_loss(drafter, teacher, batch, ttt_steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     peak = _status_mib("VmHWM")
     return {"ttt_steps": ttt_steps, "step_s": statistics.median(times[warmup:]),
-            "step_times_s": times, "rss_before_mib": rss_before, "peak_mib": peak - rss_before,
+            "step_times_s": times, "step_cpu_s": statistics.median(cpu[warmup:]),
+            "rss_before_mib": rss_before, "peak_mib": peak - rss_before,
             "vm_hwm_mib": peak,
             "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "valid_positions_step0": m["count"][0], "loss_mask_ones": int(batch["loss_mask"].sum()),
@@ -211,26 +222,27 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
         with ctx.Pool(1) as pool:  # a fresh interpreter per configuration
             r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed))
         results.append(r)
-        print(f"[bench] train ttt_steps={k}: {r['step_s'] * 1000:.0f} ms/step, "
+        print(f"[bench] train ttt_steps={k}: {r['step_s'] * 1000:.0f} ms/step "
+              f"({r['step_cpu_s'] * 1000:.0f} ms CPU), "
               f"peak +{r['peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f} MiB")
     base = results[0]
     result = {
         "bench": "train", "shapes": {**shapes, "seq": seq, "batch": 1, "dtype": "float32"},
         "steps": steps, "warmup": warmup, "cpu_count": os.cpu_count(), "results": results,
         "time_ratio_vs_first": {r["ttt_steps"]: r["step_s"] / base["step_s"] for r in results},
+        "cpu_time_ratio_vs_first": {r["ttt_steps"]: r["step_cpu_s"] / base["step_cpu_s"]
+                                    for r in results},
         "memory_ratio_vs_first": {r["ttt_steps"]: r["peak_mib"] / base["peak_mib"]
                                   for r in results},
         "memory_mib_per_extra_step": [
             (b["peak_mib"] - a["peak_mib"]) / (b["ttt_steps"] - a["ttt_steps"])
             for a, b in zip(results, results[1:])],
-        "note": "step = ttt_loss forward + backward + AdamW step, median after warm-up; peak = "
+        "note": "step = ttt_loss forward + backward + AdamW step, median after warm-up (wall; "
+                "cpu = process CPU time of all threads, less sensitive to a shared box); peak = "
                 "VmHWM of a fresh process minus its RSS before the first step. Targets: memory "
                 "at most linear in ttt_steps; time(16)/time(1) <= 10.",
     }
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "train.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    _plot_train(result, os.path.join(out_dir, "train.png"))
+    save_result(out_dir, "train", result, _plot_train)
     print(f"[bench] train -> {out_dir}/train.json")
     return result
 
@@ -255,6 +267,82 @@ def _plot_train(result: dict, path: str) -> None:
     s = result["shapes"]
     fig.suptitle(f"TTT training, H={s['hidden_size']} S={s['seq']} Vd={s['draft_vocab_size']}, "
                  f"fp32 CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1, 4, 8),
+                  minutes: float = 10.0, depth: int = 16, draft_vocab: int = 8192,
+                  out_dir: str = "runs/bench", workers: int = 2, fresh: bool = False) -> dict:
+    """Drafters trained with each ttt_steps for the same wall-clock budget on one embedded-default
+    dataset, then evaluated held-out at `depth` positions. Finished stages are reused (extraction
+    and each training run resume) unless fresh. Writes quality.json + quality.png."""
+    from eagle3_ray.extract import ExtractConfig, run_extract
+    from eagle3_ray.train import TrainConfig, evaluate_drafter, run_train
+    root = os.path.join(out_dir, "quality")
+    if fresh:
+        shutil.rmtree(root, ignore_errors=True)
+    data_dir = os.path.join(root, "data")
+    t0 = time.perf_counter()
+    manifest = run_extract(ExtractConfig(output=data_dir, sample_limit=conversations,
+                                         max_length=max_length, batch_rows=32))
+    extract_s = time.perf_counter() - t0
+    runs = {}
+    for k in ttt_list:
+        run_dir = os.path.join(root, f"ttt{k}")
+        t1 = time.perf_counter()
+        run_train(TrainConfig(
+            dataset=data_dir, output=run_dir, ttt_steps=k, draft_vocab_size=draft_vocab,
+            max_steps=1_000_000, max_minutes=minutes, batch_size=4, max_seq_len=max_length,
+            lr=1e-3, warmup_steps=30, eval_every=0, log_every=25, checkpoint_every=200,
+            eval_fraction=0.05, num_workers=workers, cpus_per_worker=0.5))
+        train_s = time.perf_counter() - t1
+        meta = json.load(open(os.path.join(run_dir, "drafter", "meta.json")))
+        t2 = time.perf_counter()
+        ev = evaluate_drafter(os.path.join(run_dir, "drafter"), data_dir, depth,
+                              eval_fraction=0.05, max_seq_len=max_length)
+        tau, chain = [1.0], 1.0  # tau[d] = 1 + sum_{i<d} prod_{j<=i} cond_acc_j
+        for i in range(depth):
+            chain *= ev[f"cond_acc_{i}"]
+            tau.append(tau[-1] + chain)
+        runs[k] = {"ttt_steps": k, "steps": meta["steps"], "train_wall_s": train_s,
+                   "train_loop_s": meta["final_metrics"].get("train_s"),
+                   "eval_s": time.perf_counter() - t2,
+                   "acc": [ev[f"acc_{i}"] for i in range(depth)],
+                   "cond_acc": [ev[f"cond_acc_{i}"] for i in range(depth)],
+                   "p": [ev[f"p_{i}"] for i in range(depth)],
+                   "accept_len_by_depth": tau}
+        print(f"[bench] quality ttt={k}: {meta['steps']} steps in {train_s:.0f}s; held-out acc "
+              f"pos0 {runs[k]['acc'][0]:.3f}; tau(depth 8) {tau[8]:.2f}, tau(16) {tau[16]:.2f}")
+    s = manifest["summary"]
+    result = {"bench": "quality", "conversations": conversations, "samples": s["samples"],
+              "tokens": s["tokens"], "loss_tokens": s["loss_tokens"], "max_length": max_length,
+              "draft_vocab_size": draft_vocab, "minutes_per_drafter": minutes, "eval_depth": depth,
+              "extract_s": extract_s, "total_s": time.perf_counter() - t0,
+              "runs": {str(k): v for k, v in runs.items()},
+              "note": "accept_len_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} cond_acc_j: expected "
+                      "tokens per round of greedy chain speculation at depth d, from held-out "
+                      "conditional accuracies; positions past a drafter's ttt_steps are "
+                      "extrapolation."}
+    save_result(out_dir, "quality", result, _plot_quality)
+    return result
+
+
+def _plot_quality(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, r in result["runs"].items():
+        a1.plot(range(len(r["acc"])), r["acc"], "o-", ms=3, label=f"ttt_steps={k} ({r['steps']} steps)")
+        a2.plot(range(len(r["accept_len_by_depth"])), r["accept_len_by_depth"], "o-", ms=3,
+                label=f"ttt_steps={k}")
+    a1.set_xlabel("draft position k"), a1.set_ylabel("held-out accuracy"), a1.set_ylim(0, 1)
+    a1.set_title(f"{result['samples']} samples, {result['minutes_per_drafter']:.0f} min each")
+    a2.set_xlabel("speculation depth"), a2.set_ylabel("estimated acceptance length")
+    for a in (a1, a2):
+        a.grid(alpha=.3), a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

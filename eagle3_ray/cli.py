@@ -73,7 +73,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--use-gpu", action="store_true")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
-    p.add_argument("--fsdp", action="store_true", help="FSDP instead of DDP")
     p.add_argument("--max-failures", type=int, default=3)
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
 
@@ -87,7 +86,7 @@ def train_config(a: argparse.Namespace):
         max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
         eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
         checkpoint_every=a.checkpoint_every, num_workers=a.num_workers, use_gpu=a.use_gpu,
-        cpus_per_worker=a.cpus_per_worker, fsdp=a.fsdp, max_failures=a.max_failures)
+        cpus_per_worker=a.cpus_per_worker, max_failures=a.max_failures)
 
 
 def cmd_train(a):
@@ -139,8 +138,16 @@ def print_demo_report(run_dir: str, ttt_steps: int) -> None:
 
 def cmd_bench(a):
     from eagle3_ray import bench
+    if a.what == "train":  # pure PyTorch, no Ray
+        bench.bench_train(out_dir=a.out)
+        return
     init_ray(a.address)
-    bench.bench_extract(samples=a.samples, max_length=a.max_length, out_dir=a.out, repeats=a.repeats)
+    if a.what == "extract":
+        bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
+                            repeats=a.repeats)
+    else:
+        bench.bench_quality(conversations=a.samples or 1200, max_length=a.max_length,
+                            minutes=a.minutes, out_dir=a.out, fresh=a.fresh)
 
 
 def main(argv=None) -> int:
@@ -172,8 +179,10 @@ def main(argv=None) -> int:
     x.set_defaults(fn=cmd_export)
 
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
-    b.add_argument("what", choices=["extract"])
-    b.add_argument("--samples", type=int, default=128)
+    b.add_argument("what", choices=["extract", "train", "quality"])
+    b.add_argument("--samples", type=int, help="conversations (extract: 128, quality: 1200)")
+    b.add_argument("--minutes", type=float, default=10.0, help="quality: training budget each")
+    b.add_argument("--fresh", action="store_true", help="quality: redo extraction and training")
     b.add_argument("--max-length", type=int, default=512)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--out", default="runs/bench")

@@ -179,8 +179,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Plain causal GQA attention: q [B, nh, S, D], k/v [B, nkv, S, D] -> [B, S, nh*D].
     Right padding needs no key mask: a real query never sees a later (padded) key."""
     b, nh, s, d = q.shape
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                         enable_gqa=nh != k.shape[1])  # [B, nh, S, D]
+    if nh != k.shape[1]:  # GQA: query head h uses kv head h // (nh / nkv), as in transformers
+        k = k.repeat_interleave(nh // k.shape[1], dim=1)                   # [B, nh, S, D]
+        v = v.repeat_interleave(nh // v.shape[1], dim=1)                   # [B, nh, S, D]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)          # [B, nh, S, D]
     return out.transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*D]
 
 
@@ -233,9 +235,10 @@ class Eagle3Drafter(nn.Module):
         emb = self.embed_tokens(token_ids).to(hidden.dtype)                # [B, S, H]
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
         attn = layer.self_attn
-        q = attn.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B,nh,S,D]
-        k = attn.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B,nkv,S,D]
-        v = attn.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B,nkv,S,D]
+        nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = attn.q_proj(x).view(b, s, nh, d).transpose(1, 2)               # [B, nh, S, D]
+        k = attn.k_proj(x).view(b, s, nkv, d).transpose(1, 2)              # [B, nkv, S, D]
+        v = attn.v_proj(x).view(b, s, nkv, d).transpose(1, 2)              # [B, nkv, S, D]
         cos, sin = self.rope(positions, q.dtype)                           # [B, 1, S, D]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -274,7 +277,7 @@ class Teacher(nn.Module):
                  head_rest: torch.Tensor, eps: float, chunk_size: int = 1024):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight, persistent=False)  # [H]
-        self.register_buffer("head_draft", head_draft, persistent=False)    # [Vd, H], draft id order
+        self.register_buffer("head_draft", head_draft, persistent=False)    # [Vd, H] draft id order
         self.register_buffer("head_rest", head_rest, persistent=False)      # [V-Vd, H]
         self.eps, self.chunk_size = eps, chunk_size
 
@@ -282,25 +285,31 @@ class Teacher(nn.Module):
     def forward(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """last_hidden [N, H] (pre-final-norm) -> p [N, Vd] fp32 (or fp64), in_draft [N] bool.
         The full-vocab argmax is in the draft vocab iff the best draft logit >= the best of the
-        other rows, so the [N, V] logits are never held, only [chunk, V-Vd] at a time."""
+        other rows (a tie counts as inside), so the [N, V] logits are never held, only
+        [chunk, V-Vd] at a time. Runs in the buffers' dtype, outside any autocast."""
         dtype = self.head_draft.dtype
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         ps, inside = [], []
-        for x in last_hidden.split(self.chunk_size):
-            x = rms_norm(x.to(dtype), self.norm_weight, self.eps)                 # [n, H]
-            draft = (x @ self.head_draft.T).to(out_dtype)                         # [n, Vd]
-            ps.append(draft.softmax(-1))
-            best = draft.max(-1).values                                           # [n]
-            if len(self.head_rest):
-                best_rest = (x @ self.head_rest.T).to(out_dtype).max(-1).values   # [n]
-                inside.append(best >= best_rest)
-            else:
-                inside.append(torch.ones_like(best, dtype=torch.bool))
+        with torch.autocast(last_hidden.device.type, enabled=False):  # the teacher's own dtype
+            for x in last_hidden.split(self.chunk_size):
+                ps_x, inside_x = self._chunk(x.to(dtype), out_dtype)
+                ps.append(ps_x)
+                inside.append(inside_x)
         if not ps:
             vd = self.head_draft.shape[0]
             return last_hidden.new_zeros(0, vd, dtype=out_dtype), \
                 torch.zeros(0, dtype=torch.bool, device=last_hidden.device)
         return torch.cat(ps), torch.cat(inside)  # [N, Vd], [N]
+
+    def _chunk(self, x: torch.Tensor, out_dtype: torch.dtype):
+        x = rms_norm(x, self.norm_weight, self.eps)                               # [n, H]
+        draft = (x @ self.head_draft.T).to(out_dtype)                             # [n, Vd]
+        best = draft.max(-1).values                                               # [n]
+        if len(self.head_rest):
+            best_rest = (x @ self.head_rest.T).to(out_dtype).max(-1).values       # [n]
+        else:
+            best_rest = torch.full_like(best, float("-inf"))
+        return draft.softmax(-1), best >= best_rest
 
 
 # --- building from the verifier -------------------------------------------------------------

@@ -22,7 +22,7 @@ import json
 import os
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pyarrow as pa
 
@@ -312,6 +312,8 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
     first, then connects to Ray at `address` / $RAY_ADDRESS or starts a local one."""
     from eagle3_ray.launch import init_ray
     data.expand_inputs(cfg.inputs), verifier.resolve(cfg.verifier)  # fail fast, before Ray
+    cfg = replace(cfg, output=schema.absolute(cfg.output),
+                  verifier=verifier.absolute_spec(cfg.verifier))
     init_ray(address)
     t0 = time.perf_counter()
     tok, config = verifier.load_tokenizer(cfg.verifier), verifier.load_config(cfg.verifier)

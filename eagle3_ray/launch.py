@@ -40,3 +40,11 @@ def run_main(fn, *args) -> int:
     except Exception:
         traceback.print_exc()
         return 1
+
+
+def job_main(description: str, add_args, run) -> int:
+    """A `ray job submit` entrypoint: argparse with add_args, then run(args) under run_main."""
+    import argparse
+    parser = argparse.ArgumentParser(description=description)
+    add_args(parser)
+    return run_main(run, parser.parse_args())

@@ -93,6 +93,11 @@ def resolve_fs(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
+def absolute(uri: str) -> str:
+    """Local paths made absolute (Ray workers run in other working directories); URIs kept."""
+    return uri if "://" in uri or not uri else os.path.abspath(uri)
+
+
 def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     """Write via a temp name + move so readers never see a half-written file."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"

@@ -2,7 +2,7 @@
 
     driver: read the dataset manifest, refuse it if it does not match the verifier, build the
             draft vocabulary (token counts over loss-masked tokens), hold out an eval split
-    TorchTrainer workers (DDP over gloo/NCCL, FSDP optional): stream their shard of the Parquet
+    TorchTrainer workers (DDP over gloo/NCCL): stream their shard of the Parquet
             dataset (Ray Data get_dataset_shard), TTT unroll (ttt.py), AdamW + warmup/cosine,
             grad clipping, bf16 autocast on GPU; report metrics every `log_every` steps,
             evaluate every `eval_every`, checkpoint every `checkpoint_every`
@@ -26,7 +26,7 @@ import os
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -64,7 +64,6 @@ class TrainConfig:
     num_workers: int = 2
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
-    fsdp: bool = False                    # FSDP instead of DDP (large drafters / vocab)
     max_failures: int = 3                 # worker-group restarts (FailureConfig)
     seed: int = 0
     # tests only: "die_once:<step>:<marker>" kills rank 1 once, when it reaches <step>.
@@ -97,6 +96,14 @@ def lr_at(cfg: TrainConfig, step: int, train_s: float) -> float:
 
 def prepare(cfg: TrainConfig) -> dict:
     """Check the dataset against the verifier, build (or reuse) the draft vocabulary."""
+    if not 1 <= cfg.ttt_steps <= 32:
+        raise ValueError(f"ttt_steps must be in 1..32, got {cfg.ttt_steps}")
+    for name in ("max_steps", "batch_size", "draft_vocab_size", "log_every", "checkpoint_every",
+                 "num_workers", "max_seq_len"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if not 0 <= cfg.eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     manifest = schema.read_manifest(cfg.dataset)
     facts = manifest["facts"]
     config, tok = verifier.load_config(cfg.verifier), verifier.load_tokenizer(cfg.verifier)
@@ -208,7 +215,7 @@ def train_loop_per_worker(loop: dict) -> None:
     drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d)
     device = ray.train.torch.get_device()
     teacher = teacher.to(device)
-    model = ray.train.torch.prepare_model(drafter, parallel_strategy="fsdp" if cfg.fsdp else "ddp")
+    model = ray.train.torch.prepare_model(drafter, parallel_strategy="ddp")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
@@ -512,6 +519,8 @@ def run_train(cfg: TrainConfig, address: str | None = None):
     from ray.train.torch import TorchTrainer
     from eagle3_ray.launch import init_ray
 
+    cfg = replace(cfg, dataset=schema.absolute(cfg.dataset), output=schema.absolute(cfg.output),
+                  verifier=verifier.absolute_spec(cfg.verifier))
     setup = prepare(cfg)
     init_ray(address)
     files = [f"{schema.resolve_fs(cfg.dataset)[1]}/{f['name']}" for f in setup["manifest"]["files"]]

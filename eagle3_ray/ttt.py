@@ -69,7 +69,9 @@ def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: to
         n = end - start
         qb = qg[:, :, :, start:end]                                        # [B, nkv, g, n, D]
         scores = (qb.reshape(b, nkv, g * n, d) @ k0[:, :, :end].transpose(-1, -2)).to(acc)
-        hide = hidden_keys[..., start:end, :end].expand(b, 1, g, n, end).reshape(b, 1, g * n, end)
+        # scores [B, nkv, g*n, end]: rows r*n + i = query head kv*g + r at position start + i
+        hide = hidden_keys[..., start:end, :end].expand(b, 1, g, n, end)   # [B, 1, g, n, end]
+        hide = hide.reshape(b, 1, g * n, end)                              # [B, 1, g*n, end]
         scores.masked_fill_(hide, float("-inf"))                           # [B, nkv, g*n, end]
         with torch.no_grad():                           # a constant shift: exact gradients
             row_max = scores.amax(-1, keepdim=True)                        # [B, nkv, g*n, 1]
@@ -83,11 +85,12 @@ def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: to
         if kd:
             ed = (diagonal - row_max).exp()                                # [B, nkv, g*n, k]
             total = total + ed.sum(-1, keepdim=True)
-            out = out.view(b, nkv, g, n, d)
+            out = out.view(b, nkv, g, n, d)                                # [B, nkv, g, n, D]
             for j, vj in enumerate(vd):
-                w = ed[..., j].view(b, nkv, g, n, 1)
+                w = ed[..., j].view(b, nkv, g, n, 1)                       # [B, nkv, g, n, 1]
                 out = out + w * vj[:, :, None, start:end]                  # [B, nkv, g, n, D]
-        outs.append((out.reshape(b, nkv, g * n, d) / total).view(b, nkv, g, n, d))
+        out = out.reshape(b, nkv, g * n, d) / total                        # [B, nkv, g*n, D]
+        outs.append(out.view(b, nkv, g, n, d))                             # [B, nkv, g, n, D]
     out = torch.cat(outs, dim=3).to(q.dtype)                               # [B, nkv, g, S, D]
     return out.reshape(b, nh, s, d).transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*D]
 
@@ -192,21 +195,21 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
         rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
         loss_sum, pred = _step_loss(drafter, hidden, rows, p_rows, chunk_size)
         valid = rows >= 0
-        n = int(valid.sum())
-        losses.append(loss_sum / max(n, 1))
-        with torch.no_grad():
+        losses.append(loss_sum / valid.sum().clamp(min=1))
+        with torch.no_grad():  # counts stay tensors: one device sync at the end
             ok = torch.zeros_like(valid)
             ok[valid] = pred == teacher_top[rows[valid]]                   # valid & correct
-            sums["count"].append(n)
-            sums["correct"].append(int(ok.sum()))
             window = window & valid
-            sums["window"].append(int(window.sum()))
-            sums["cond_count"].append(int((valid & chain).sum()))
+            sums["count"].append(valid.sum())
+            sums["correct"].append(ok.sum())
+            sums["window"].append(window.sum())
+            sums["cond_count"].append((valid & chain).sum())
             chain = chain & ok
-            sums["all_correct"].append(int(chain.sum()))
-            sums["loss_sum"].append(float(loss_sum.detach()))
+            sums["all_correct"].append(chain.sum())
+            sums["loss_sum"].append(loss_sum.detach().double())
     weights = [step_weight_decay ** k for k in range(ttt_steps)]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
+    sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
     metrics = summarize(sums)
     metrics["loss"] = float(loss.detach())
     return loss, metrics

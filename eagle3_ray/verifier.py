@@ -42,6 +42,11 @@ def resolve(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
+def absolute_spec(spec: str) -> str:
+    """A local verifier path made absolute, so Ray workers in other directories find it."""
+    return spec if spec.startswith("embedded:") else os.path.abspath(spec)
+
+
 def materialize(spec: str) -> str:
     """A transformers directory for `spec`. A GGUF file is converted once (dequantized to fp32,
     tokenizer included) into a cache dir keyed by its path, size and mtime, so later loads take

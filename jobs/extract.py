@@ -3,21 +3,18 @@
     ray job submit --working-dir . -- python jobs/extract.py \
         --inputs embedded:sharegpt --limit 16 --max-length 256 --output /tmp/hs
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from eagle3_ray.cli import add_extract_args, extract_config
-from eagle3_ray.launch import run_main
+from eagle3_ray.cli import add_extract_args, extract_config  # noqa: E402
+from eagle3_ray.launch import job_main  # noqa: E402
 
 
-def main(a):
+def run(a):
     from eagle3_ray.extract import run_extract
     run_extract(extract_config(a), a.address)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Extract verifier hidden states (Ray Data).")
-    add_extract_args(parser)
-    sys.exit(run_main(main, parser.parse_args()))
+    sys.exit(job_main("Extract verifier hidden states (Ray Data).", add_extract_args, run))

@@ -3,21 +3,18 @@
     ray job submit --working-dir . -- python jobs/train.py \
         --dataset /tmp/hs --output /tmp/train --ttt-steps 8 --max-steps 1000 --num-workers 2
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from eagle3_ray.cli import add_train_args, train_config
-from eagle3_ray.launch import run_main
+from eagle3_ray.cli import add_train_args, train_config  # noqa: E402
+from eagle3_ray.launch import job_main  # noqa: E402
 
 
-def main(a):
+def run(a):
     from eagle3_ray.train import run_train
     run_train(train_config(a), a.address)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Train the EAGLE-3 drafter (Ray Train).")
-    add_train_args(parser)
-    sys.exit(run_main(main, parser.parse_args()))
+    sys.exit(job_main("Train the EAGLE-3 drafter (Ray Train).", add_train_args, run))

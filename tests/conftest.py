@@ -84,6 +84,15 @@ def sharegpt_file(tmp_path):
     return str(p)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -20,12 +20,7 @@ EXPORT_KEYS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def save_llama(path, tied: bool, max_shard_size=None):

@@ -12,13 +12,7 @@ from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher, causal_attenti
 B, S, V, VD = 2, 12, 50, 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(seed=0, dtype=torch.float64):
@@ -59,7 +53,8 @@ def naive_loss(drafter, batch, full, steps, decay):
     c = drafter.config
     ids, att = batch["input_ids"], batch["attention_mask"].bool()
     # teacher over the FULL vocab
-    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], c.rms_norm_eps) @ full["head"].T
+    normed = rms_norm(batch["last_hidden_states"], full["norm"], c.rms_norm_eps)  # [B, S, H]
+    logits_full = normed @ full["head"].T                                     # [B, S, V]
     in_draft = full["t2d"][logits_full.argmax(-1)]                            # [B, S]
     p = logits_full[..., full["target_ids"]].softmax(-1)                      # [B, S, Vd]
     ok = batch["loss_mask"].bool() & att & in_draft
