@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from eagle3_ray import data, verifier
+from eagle3_ray import data, ttt, verifier
 
 
 def save_result(out_dir: str, name: str, result: dict, plot) -> None:
@@ -302,10 +302,7 @@ def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1,
         t2 = time.perf_counter()
         ev = evaluate_drafter(os.path.join(run_dir, "drafter"), data_dir, depth,
                               eval_fraction=0.05, max_seq_len=max_length)
-        tau, chain = [1.0], 1.0  # tau[d] = 1 + sum_{i<d} prod_{j<=i} cond_acc_j
-        for i in range(depth):
-            chain *= ev[f"cond_acc_{i}"]
-            tau.append(tau[-1] + chain)
+        tau = ttt.accept_lengths([ev[f"cond_acc_{i}"] for i in range(depth)])
         runs[k] = {"ttt_steps": k, "steps": meta["steps"], "train_wall_s": train_s,
                    "train_loop_s": meta["final_metrics"].get("train_s"),
                    "eval_s": time.perf_counter() - t2,

@@ -18,6 +18,7 @@ every step appears exactly once.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -234,7 +235,7 @@ def train_loop_per_worker(loop: dict) -> None:
     sums, eval_sums = MetricSums(cfg.ttt_steps), MetricSums(cfg.ttt_steps)
     t_last, seen = time.perf_counter(), set(state["seen"])
     shard = ray.train.get_dataset_shard("train")
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cfg.use_gpu else _null()
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if cfg.use_gpu else contextlib.nullcontext()
     budget_s = 60 * cfg.max_minutes if cfg.max_minutes else math.inf
     out_of_time, t_step = False, time.monotonic()
     while state["step"] < cfg.max_steps and state["epoch"] < cfg.max_epochs and not out_of_time:
@@ -354,14 +355,18 @@ def save_train_state(d: str, model, opt, state: dict) -> None:
 
 def load_train_state(d: str, model, opt) -> dict:
     from safetensors.torch import load_file
-    missing, unexpected = model.load_state_dict(load_file(os.path.join(d, "model.safetensors")),
-                                                strict=False)
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{d}: checkpoint does not fit the drafter "
-                         f"(missing {missing}, unexpected {unexpected})")
+    load_weights(model, load_file(os.path.join(d, "model.safetensors")), d)
     opt.load_state_dict(torch.load(os.path.join(d, "optimizer.pt"), weights_only=True))
     with open(os.path.join(d, "state.json")) as f:
         return json.load(f)
+
+
+def load_weights(model, state: dict, where: str) -> None:
+    """Load drafter weights saved without the frozen embedding (the verifier's, rebuilt)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"embed_tokens.weight"}:
+        raise ValueError(f"{where}: weights do not fit the drafter "
+                         f"(missing {missing}, unexpected {unexpected})")
 
 
 def write_metrics(output: str, history: list[dict]) -> None:
@@ -388,18 +393,15 @@ def finish(cfg: TrainConfig, setup: dict, model, state: dict) -> None:
     state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     dcfg = draft.DraftConfig(**setup["draft_config"])
     fs, root = schema.resolve_fs(cfg.output)
-    if isinstance(fs, pa.fs.LocalFileSystem):
-        out = os.path.join(root, "drafter")
+    local = isinstance(fs, pa.fs.LocalFileSystem)
+    with tempfile.TemporaryDirectory() as d:  # a remote run dir: write here, then upload
+        out = os.path.join(root if local else d, "drafter")
         checkpoint.save_drafter(out, state_dict, dcfg, meta)  # atomic, replaces an older one
         plot_metrics(state["history"], cfg.ttt_steps, os.path.join(out, "accuracy.png"))
-        return
-    with tempfile.TemporaryDirectory() as d:  # remote run dir: write locally, then upload
-        out = os.path.join(d, "drafter")
-        checkpoint.save_drafter(out, state_dict, dcfg, meta)
-        plot_metrics(state["history"], cfg.ttt_steps, os.path.join(out, "accuracy.png"))
-        fs.create_dir(f"{root}/drafter", recursive=True)
-        pa.fs.copy_files(out, f"{root}/drafter", source_filesystem=pa.fs.LocalFileSystem(),
-                         destination_filesystem=fs)
+        if not local:
+            fs.create_dir(f"{root}/drafter", recursive=True)
+            pa.fs.copy_files(out, f"{root}/drafter", source_filesystem=pa.fs.LocalFileSystem(),
+                             destination_filesystem=fs)
 
 
 def plot_metrics(history: list[dict], steps: int, path: str) -> None:
@@ -413,7 +415,7 @@ def plot_metrics(history: list[dict], steps: int, path: str) -> None:
     prefix = "eval/" if "eval/acc_0" in m else "train/"
     acc = [m[f"{prefix}acc_{i}"] for i in range(steps)]
     cond = [m[f"{prefix}cond_acc_{i}"] for i in range(steps)]
-    tau = [1 + float(sum(np.cumprod(cond[:d]))) for d in range(steps + 1)]
+    tau = ttt.accept_lengths(cond)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
     a1.plot(range(steps), acc, "o-", label="accuracy")
     a1.plot(range(steps), cond, "s--", label="conditional accuracy")
@@ -429,14 +431,6 @@ def plot_metrics(history: list[dict], steps: int, path: str) -> None:
 
 def unwrap(model):
     return getattr(model, "module", model)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _next_unseen(it, seen: set):
@@ -477,14 +471,13 @@ def _maybe_die(cfg: TrainConfig, rank: int, step: int) -> None:
 
 # --- offline evaluation ----------------------------------------------------------------------
 
-def load_trained_drafter(drafter_dir: str, spec: str):
-    """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier."""
+def load_trained_drafter(drafter_dir: str, spec: str | None = None):
+    """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier
+    (`spec`, default: the one it was trained with)."""
     state, dcfg, meta = checkpoint.load_drafter(drafter_dir)
-    drafter, teacher = draft.build_drafter(spec, dcfg, state["d2t"], state["t2d"])
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
-        raise ValueError(f"{drafter_dir}: weights do not fit the drafter "
-                         f"(missing {missing}, unexpected {unexpected})")
+    drafter, teacher = draft.build_drafter(spec or meta["verifier"], dcfg, state["d2t"],
+                                           state["t2d"])
+    load_weights(drafter, state, drafter_dir)
     return drafter.eval(), teacher, meta
 
 
@@ -494,9 +487,8 @@ def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: 
     """Held-out per-position metrics of a trained drafter unrolled `depth` steps (deeper than
     it was trained is allowed: that is how extrapolation is measured). One process, no Ray."""
     import pyarrow.parquet as pq
-    meta = checkpoint.load_drafter(drafter_dir)[2]
-    drafter, teacher, _ = load_trained_drafter(drafter_dir, spec or meta["verifier"])
-    hidden = drafter.config.hidden_size if hasattr(drafter, "config") else drafter.fc.weight.shape[0]
+    drafter, teacher, _ = load_trained_drafter(drafter_dir, spec)
+    hidden = drafter.config.hidden_size
     sums = MetricSums(depth)
     fs, root = schema.resolve_fs(dataset)
     for path in schema.list_parts(fs, root):
@@ -523,13 +515,12 @@ def run_train(cfg: TrainConfig, address: str | None = None):
                   verifier=verifier.absolute_spec(cfg.verifier))
     setup = prepare(cfg)
     init_ray(address)
-    files = [f"{schema.resolve_fs(cfg.dataset)[1]}/{f['name']}" for f in setup["manifest"]["files"]]
-    fs, _ = schema.resolve_fs(cfg.dataset)
-    ds = ray.data.read_parquet(files, filesystem=fs)
+    fs, root = schema.resolve_fs(cfg.dataset)
+    ds = ray.data.read_parquet([f"{root}/{f['name']}" for f in setup["manifest"]["files"]],
+                               filesystem=fs)
     split = dict(fn=_split, batch_format="pyarrow", batch_size=None)
     train_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, False))
     eval_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, True))
-    fs_out, root = schema.resolve_fs(cfg.output)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": asdict(cfg), "setup": setup},
@@ -537,7 +528,7 @@ def run_train(cfg: TrainConfig, address: str | None = None):
             num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
             resources_per_worker=None if cfg.use_gpu else {"CPU": cfg.cpus_per_worker}),
         run_config=ray.train.RunConfig(
-            name="ray", storage_path=root if "://" not in cfg.output else cfg.output,
+            name="ray", storage_path=cfg.output,  # absolute path or URI
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
         datasets={"train": train_ds, "eval": eval_ds},

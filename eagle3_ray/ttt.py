@@ -215,21 +215,27 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     return loss, metrics
 
 
+def accept_lengths(cond_acc: list[float]) -> list[float]:
+    """Expected tokens per greedy chain-speculation round at each depth d = 0..K:
+    1 + Σ_{i<d} Π_{j<=i} cond_acc_j."""
+    out, chain = [1.0], 1.0
+    for a in cond_acc:
+        chain *= a
+        out.append(out[-1] + chain)
+    return out
+
+
 def summarize(sums: dict) -> dict:
     """COUNT_KEYS sums (lists over steps) -> per-step ratios + accept_len (sums kept)."""
     def ratio(a, c):
         return [x / y if y else 0.0 for x, y in zip(a, c)]
     cond = ratio(sums["all_correct"], sums["cond_count"])
-    accept, prod = 1.0, 1.0
-    for a in cond:
-        prod *= a
-        accept += prod
     return {**{key: list(sums[key]) for key in COUNT_KEYS},
             "loss_k": ratio(sums["loss_sum"], sums["count"]),
             "acc_k": ratio(sums["correct"], sums["count"]),
             "cond_acc_k": cond,
             "p_k": ratio(sums["all_correct"], sums["window"]),
-            "accept_len": accept}
+            "accept_len": accept_lengths(cond)[-1]}
 
 
 def aggregate_metrics(metrics: list[dict]) -> dict:
