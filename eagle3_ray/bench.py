@@ -274,7 +274,8 @@ def _plot_train(result: dict, path: str) -> None:
 
 def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1, 4, 8),
                   minutes: float = 10.0, depth: int = 16, draft_vocab: int = 8192,
-                  out_dir: str = "runs/bench", workers: int = 2, fresh: bool = False) -> dict:
+                  out_dir: str = "runs/bench", workers: int = 2, fresh: bool = False,
+                  ttt_ramp: float = 0.5) -> dict:
     """Drafters trained with each ttt_steps for the same wall-clock budget on one embedded-default
     dataset, then evaluated held-out at `depth` positions. Finished stages are reused (extraction
     and each training run resume) unless fresh. Writes quality.json + quality.png."""
@@ -293,7 +294,8 @@ def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1,
         run_dir = os.path.join(root, f"ttt{k}")
         t1 = time.perf_counter()
         run_train(TrainConfig(
-            dataset=data_dir, output=run_dir, ttt_steps=k, draft_vocab_size=draft_vocab,
+            dataset=data_dir, output=run_dir, ttt_steps=k, ttt_ramp=ttt_ramp,
+            draft_vocab_size=draft_vocab,
             max_steps=1_000_000, max_minutes=minutes, batch_size=4, max_seq_len=max_length,
             lr=1e-3, warmup_steps=30, eval_every=0, log_every=25, checkpoint_every=200,
             eval_fraction=0.05, num_workers=workers, cpus_per_worker=0.5))
@@ -316,6 +318,7 @@ def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1,
     result = {"bench": "quality", "conversations": conversations, "samples": s["samples"],
               "tokens": s["tokens"], "loss_tokens": s["loss_tokens"], "max_length": max_length,
               "draft_vocab_size": draft_vocab, "minutes_per_drafter": minutes, "eval_depth": depth,
+              "ttt_ramp": ttt_ramp, "precision": "auto",
               "extract_s": extract_s, "total_s": time.perf_counter() - t0,
               "runs": {str(k): v for k, v in runs.items()},
               "note": "accept_len_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} cond_acc_j: expected "
@@ -340,6 +343,135 @@ def _plot_quality(result: dict, path: str) -> None:
     a2.set_xlabel("speculation depth"), a2.set_ylabel("estimated acceptance length")
     for a in (a1, a2):
         a.grid(alpha=.3), a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- bench serve -----------------------------------------------------------------------------
+# The decoder the server runs (speculate.Speculator: the same code, minus HTTP), on the embedded
+# verifier with a trained drafter, at each depth on the same held-out prompts. Depths are
+# interleaved per prompt (in a rotating order) so machine noise hits them alike.
+#
+#     eagle3-ray bench serve --drafter runs/bench/quality/ttt4/drafter --prompts 4 --max-tokens 32
+
+SERVE_DEPTHS = (0, 1, 2, 4, 8, 12, 16)
+
+
+def heldout_prompts(tok, n: int, skip: int = 5000, max_prompt: int = 256) -> list[list[int]]:
+    """First user turns of embedded ShareGPT conversations past the first `skip` usable ones
+    (bench quality trains on the first ~1,200), rendered with the chat template."""
+    out = []
+    for i, (_, messages) in enumerate(data.iter_samples([data.EMBEDDED_SHAREGPT])):
+        if i < skip:
+            continue
+        turn = next((m for m in messages if m["role"] == "user"), None)
+        if not turn:
+            continue
+        text = tok.apply_chat_template([turn], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if 8 <= len(ids) <= max_prompt:
+            out.append(list(ids))
+        if len(out) == n:
+            return out
+    return out
+
+
+def best_quality_drafter(out_dir: str = "runs/bench", depth: int = 8) -> str:
+    """The drafter of `bench quality` with the highest estimated acceptance length at `depth`."""
+    path = os.path.join(out_dir, "quality.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no bench quality result; pass --drafter")
+    q = json.load(open(path))
+    k = max(q["runs"], key=lambda k: q["runs"][k]["accept_len_by_depth"][depth])
+    return os.path.join(out_dir, "quality", f"ttt{k}", "drafter")
+
+
+def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: int = 8,
+                max_tokens: int = 64, out_dir: str = "runs/bench",
+                spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0) -> dict:
+    """Greedy tokens/s and acceptance length per depth, speedup over depth 0, and whether every
+    depth's output equals depth 0's. Writes <out_dir>/serve.json and serve.png."""
+    from eagle3_ray import speculate
+    from eagle3_ray.train import load_trained_drafter
+    if threads:
+        torch.set_num_threads(threads)
+    drafter_dir = drafter_dir or best_quality_drafter(out_dir)
+    tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec)
+    drafter, _, meta = load_trained_drafter(drafter_dir, spec)
+    dec = speculate.Speculator(model, drafter.eval())
+    eos = tuple({tok.eos_token_id, *(model.generation_config.eos_token_id
+                                      if isinstance(model.generation_config.eos_token_id, list)
+                                      else [model.generation_config.eos_token_id])} - {None})
+    sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=eos)
+    ps = heldout_prompts(tok, prompts)
+    runs = {d: {"tokens": 0, "wall_s": 0.0, "rounds": 0, "accepted": 0, "verify_s": 0.0,
+                "draft_s": 0.0, "outputs": []} for d in depths}
+    for i, prompt in enumerate([ps[0]] + ps):            # the first prompt once more as warm-up
+        order = list(depths[i % len(depths):]) + list(depths[:i % len(depths)])
+        for d in order:
+            t0, out, rounds = time.perf_counter(), [], []
+            for r in dec.generate(prompt, sp, d):
+                out += r.tokens
+                rounds.append(r)
+            wall = time.perf_counter() - t0
+            if i == 0:
+                continue
+            s = runs[d]
+            s["tokens"] += len(out)
+            s["wall_s"] += wall
+            s["rounds"] += len(rounds) - 1                 # verify rounds after the prefill
+            s["accepted"] += sum(r.accepted for r in rounds)
+            s["verify_s"] += sum(r.verify_s for r in rounds[1:])
+            s["draft_s"] += sum(r.draft_s for r in rounds[1:])
+            s["outputs"].append(out)
+        print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
+    base = runs[depths[0]]
+    result_runs = {}
+    for d, s in runs.items():
+        result_runs[str(d)] = {
+            "depth": d, "tokens": s["tokens"], "wall_s": s["wall_s"],
+            "tokens_per_s": s["tokens"] / s["wall_s"],
+            "speedup": (s["tokens"] / s["wall_s"]) / (base["tokens"] / base["wall_s"]),
+            "acceptance_length": (s["accepted"] + s["rounds"]) / max(1, s["rounds"]),
+            "verify_s_per_round": s["verify_s"] / max(1, s["rounds"]),
+            "draft_s_per_round": s["draft_s"] / max(1, s["rounds"]),
+            "identical_to_depth0": s["outputs"] == base["outputs"],
+            "mismatched_prompts": [j for j, (a, b) in enumerate(zip(s["outputs"], base["outputs"]))
+                                   if a != b]}
+    best = max(result_runs.values(), key=lambda r: r["tokens_per_s"])
+    result = {"bench": "serve", "verifier": spec, "drafter": drafter_dir,
+              "drafter_ttt_steps": meta.get("ttt_steps"), "prompts": len(ps),
+              "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
+              "runs": result_runs, "best_depth": best["depth"], "best_speedup": best["speedup"],
+              "all_identical": all(r["identical_to_depth0"] for r in result_runs.values()),
+              "note": "greedy; one process, the server's decoder (speculate.Speculator) without "
+                      "HTTP; depths interleaved per prompt; speedup = tokens/s over depth 0's "
+                      "in the same run; acceptance_length = tokens per verify round."}
+    save_result(out_dir, "serve", result, _plot_serve)
+    for r in result_runs.values():
+        print(f"[bench] serve depth {r['depth']:2d}: {r['tokens_per_s']:.1f} tok/s, "
+              f"x{r['speedup']:.2f}, tau {r['acceptance_length']:.2f}, "
+              f"identical {r['identical_to_depth0']}")
+    return result
+
+
+def _plot_serve(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = sorted(result["runs"].values(), key=lambda r: r["depth"])
+    ds = [r["depth"] for r in runs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a1.plot(ds, [r["speedup"] for r in runs], "o-", color="#37a")
+    a1.axhline(1.0, color="gray", lw=0.8)
+    a1.set_xlabel("speculation depth"), a1.set_ylabel("speedup over depth 0")
+    a1.set_title(f"tokens/s, depth 0 = {runs[0]['tokens_per_s']:.1f}")
+    a2.plot(ds, [r["acceptance_length"] for r in runs], "o-", color="#a52")
+    a2.set_xlabel("speculation depth"), a2.set_ylabel("tokens per verify round")
+    a2.set_title(f"drafter ttt_steps={result['drafter_ttt_steps']}")
+    for a in (a1, a2):
+        a.set_xticks(ds), a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -297,9 +297,9 @@ def _draft_config(block: dict, path: str) -> DraftConfig:
         raise ValueError(f"{path}: bad draft_config ({e})") from None
 
 
-def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, dict]:
-    """Read a checkpoint written by save_drafter -> (state_dict, DraftConfig, meta).
-    Errors name the missing or malformed file."""
+def read_drafter_config(directory: str) -> tuple[DraftConfig, dict]:
+    """(DraftConfig, meta) of a checkpoint written by save_drafter, weights unread; checks the
+    files are complete. Errors name the missing or malformed file."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory}: no such drafter checkpoint directory")
     for name in FILES:
@@ -319,7 +319,12 @@ def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, 
         if size != info.get("bytes"):
             raise ValueError(f"{os.path.join(directory, name)}: {size} bytes, meta.json says "
                              f"{info.get('bytes')}; the file is truncated or was replaced")
-    cfg = _draft_config(_read_json(cfg_path).get("eagle3_ray") or {}, cfg_path)
+    return _draft_config(_read_json(cfg_path).get("eagle3_ray") or {}, cfg_path), meta
+
+
+def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, dict]:
+    """Read a checkpoint written by save_drafter -> (state_dict, DraftConfig, meta)."""
+    cfg, meta = read_drafter_config(directory)
     w_path = os.path.join(directory, WEIGHTS)
     try:
         state = load_file(w_path)

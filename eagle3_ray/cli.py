@@ -4,13 +4,13 @@
     eagle3-ray extract --inputs embedded:sharegpt --limit 16 --max-length 256 --output /tmp/hs
     eagle3-ray train --dataset /tmp/hs --output /tmp/tr --ttt-steps 4 --max-steps 20
     eagle3-ray export --drafter /tmp/tr/drafter --format vllm --output /tmp/tr/vllm
+    eagle3-ray serve --drafter /tmp/tr/drafter --depth 4   # OpenAI API on Ray Serve, prints URL
     eagle3-ray bench extract --samples 32             # pipeline vs plain forward loop, JSON+PNG
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 from eagle3_ray import data, verifier
@@ -29,6 +29,7 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="first N usable conversations")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=int, default=0)
+    p.add_argument("--node-resource", help="custom resource pinning replicas (e.g. extract_node)")
     p.add_argument("--max-gpu-memory", help='per-GPU cap when sharding, e.g. "70GiB"')
     p.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")
     p.add_argument("--batch-rows", type=int, default=64, help="samples per batch / Parquet part")
@@ -47,6 +48,7 @@ def extract_config(a: argparse.Namespace):
         inputs=a.inputs, output=a.output, verifier=a.verifier, layer_ids=a.layer_ids,
         max_length=a.max_length, sample_limit=a.limit, replicas=a.replicas,
         gpus_per_replica=a.gpus_per_replica, max_gpu_memory=a.max_gpu_memory,
+        node_resource=a.node_resource,
         token_budget=a.token_budget, batch_rows=a.batch_rows, dtype=a.dtype,
         regenerate=a.regenerate, regen_max_new_tokens=a.regen_max_new_tokens,
         regen_temperature=a.regen_temperature, regen_top_p=a.regen_top_p, regen_seed=a.regen_seed)
@@ -59,6 +61,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
     p.add_argument("--ttt-steps", type=int, default=8, help="TTT unroll depth (1-32)")
     p.add_argument("--step-weight-decay", type=float, default=0.8)
+    p.add_argument("--ttt-ramp", type=float, default=0.0,
+                   help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--max-epochs", type=int, default=1000)
@@ -72,7 +76,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16 autocast (auto: on GPUs and bf16-capable CPUs)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--node-resource", help="custom resource pinning workers (e.g. train_node)")
     p.add_argument("--max-failures", type=int, default=3)
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
 
@@ -81,12 +88,58 @@ def train_config(a: argparse.Namespace):
     from eagle3_ray.train import TrainConfig
     return TrainConfig(
         dataset=a.dataset, output=a.output, verifier=a.verifier, ttt_steps=a.ttt_steps,
-        step_weight_decay=a.step_weight_decay, draft_vocab_size=a.draft_vocab_size,
+        step_weight_decay=a.step_weight_decay, ttt_ramp=a.ttt_ramp,
+        draft_vocab_size=a.draft_vocab_size,
         max_steps=a.max_steps, max_epochs=a.max_epochs, batch_size=a.batch_size,
         max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
         eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
         checkpoint_every=a.checkpoint_every, num_workers=a.num_workers, use_gpu=a.use_gpu,
-        cpus_per_worker=a.cpus_per_worker, max_failures=a.max_failures)
+        precision=a.precision, cpus_per_worker=a.cpus_per_worker, node_resource=a.node_resource,
+        max_failures=a.max_failures)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ServeConfig (shared with jobs/serve.py)."""
+    p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
+    p.add_argument("--drafter", help="trained drafter dir (<train output>/drafter); none = depth 0")
+    p.add_argument("--model-name", default="eagle3-ray", help="the OpenAI model id")
+    p.add_argument("--depth", type=int, default=4, help="default speculation depth")
+    p.add_argument("--max-depth", type=int, default=16, help="bound of per-request depth")
+    p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
+    p.add_argument("--gpus-per-replica", type=float, default=0)
+    p.add_argument("--cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--node-resource", help="custom resource pinning replicas (e.g. pcie_node)")
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--autoscaling", help='JSON Serve autoscaling_config, e.g. '
+                   '\'{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2}\'')
+    p.add_argument("--max-ongoing-requests", type=int, default=4)
+    p.add_argument("--max-queued-requests", type=int, default=16)
+    p.add_argument("--request-timeout-s", type=float, default=300.0)
+    p.add_argument("--api-key", default=os.environ.get("EAGLE3_RAY_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' (default $EAGLE3_RAY_API_KEY)")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
+
+
+def serve_config(a: argparse.Namespace):
+    import json
+    from eagle3_ray.serve import ServeConfig
+    return ServeConfig(
+        verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
+        depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
+        gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
+        node_resource=a.node_resource, num_replicas=a.num_replicas,
+        autoscaling=json.loads(a.autoscaling) if a.autoscaling else None,
+        max_ongoing_requests=a.max_ongoing_requests, max_queued_requests=a.max_queued_requests,
+        request_timeout_s=a.request_timeout_s, api_key=a.api_key, max_model_len=a.max_model_len,
+        host=a.host, port=a.port)
+
+
+def cmd_serve(a):
+    from eagle3_ray.serve import run_serve
+    run_serve(serve_config(a), a.address)
 
 
 def cmd_train(a):
@@ -106,34 +159,28 @@ def cmd_extract(a):
 
 
 def cmd_demo(a):
-    """Embedded default: extract a small dataset, then train a drafter on it. Each stage is
-    reused when it already finished (extraction and training both resume)."""
-    from eagle3_ray.extract import ExtractConfig, run_extract
-    from eagle3_ray.train import TrainConfig, run_train
-    if a.fresh and os.path.isdir(a.run_dir):
-        shutil.rmtree(a.run_dir)
-    data_dir = os.path.join(a.run_dir, "data")
-    run_extract(ExtractConfig(output=data_dir, sample_limit=a.samples, max_length=a.max_length,
-                              batch_rows=16), a.address)
-    run_train(TrainConfig(dataset=data_dir, output=os.path.join(a.run_dir, "train"),
-                          ttt_steps=a.ttt_steps, draft_vocab_size=8192, max_steps=a.train_steps,
-                          batch_size=2, lr=1e-3, warmup_steps=10, eval_every=a.train_steps,
-                          checkpoint_every=max(10, a.train_steps // 4), num_workers=2,
-                          cpus_per_worker=0.5), a.address)
-    print_demo_report(a.run_dir, a.ttt_steps)
+    from eagle3_ray.demo import DemoConfig, run_demo
+    run_demo(DemoConfig(run_dir=a.run_dir, samples=a.samples, max_length=a.max_length,
+                        ttt_steps=a.ttt_steps, train_minutes=a.train_minutes, depth=a.depth,
+                        prompts=a.prompts, max_tokens=a.max_tokens, fresh=a.fresh,
+                        address=a.address))
 
 
-def print_demo_report(run_dir: str, ttt_steps: int) -> None:
-    import json
-    meta = json.load(open(os.path.join(run_dir, "train", "drafter", "meta.json")))
-    m = meta["final_metrics"]
-    prefix = "eval/" if "eval/acc_0" in m else "train/"
-    print(f"\n[demo] drafter: {run_dir}/train/drafter (ttt_steps={ttt_steps}, "
-          f"{meta['steps']} steps); plot: {run_dir}/train/drafter/accuracy.png")
-    print(f"[demo] held-out per-position accuracy ({prefix.rstrip('/')}): " + ", ".join(
-        f"k={k}: {m[prefix + f'acc_{k}']:.2f}" for k in range(ttt_steps)))
-    print(f"[demo] estimated acceptance length at depth {ttt_steps}: "
-          f"{m[prefix + 'accept_len']:.2f}")
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `eagle3-ray bench` (shared with jobs/bench.py)."""
+    p.add_argument("what", choices=["extract", "train", "quality", "serve"])
+    p.add_argument("--samples", type=int,
+                   help="conversations (extract: 128, quality: 1200) / prompts (serve: 8)")
+    p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best)")
+    p.add_argument("--max-tokens", type=int, default=64, help="serve: tokens per prompt")
+    p.add_argument("--minutes", type=float, default=10.0, help="quality: training budget each")
+    p.add_argument("--fresh", action="store_true", help="quality: redo extraction and training")
+    p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8], help="quality: ttt_steps each")
+    p.add_argument("--ttt-ramp", type=float, default=0.5, help="quality: depth curriculum share")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--address")
 
 
 def cmd_bench(a):
@@ -141,13 +188,18 @@ def cmd_bench(a):
     if a.what == "train":  # pure PyTorch, no Ray
         bench.bench_train(out_dir=a.out)
         return
+    if a.what == "serve":  # the server's decoder in-process, no Ray
+        bench.bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8,
+                          max_tokens=a.max_tokens, out_dir=a.out)
+        return
     init_ray(a.address)
     if a.what == "extract":
         bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
                             repeats=a.repeats)
     else:
         bench.bench_quality(conversations=a.samples or 1200, max_length=a.max_length,
-                            minutes=a.minutes, out_dir=a.out, fresh=a.fresh)
+                            minutes=a.minutes, out_dir=a.out, fresh=a.fresh,
+                            ttt_list=tuple(a.ttt), ttt_ramp=a.ttt_ramp)
 
 
 def main(argv=None) -> int:
@@ -158,12 +210,15 @@ def main(argv=None) -> int:
     add_extract_args(e)
     e.set_defaults(fn=cmd_extract)
 
-    d = sub.add_parser("demo", help="run the pipeline on the embedded default")
+    d = sub.add_parser("demo", help="extract -> train -> serve -> report, embedded default")
     d.add_argument("--run-dir", default="runs/demo")
-    d.add_argument("--samples", type=int, default=64)
+    d.add_argument("--samples", type=int, default=400, help="conversations to extract")
     d.add_argument("--max-length", type=int, default=512)
     d.add_argument("--ttt-steps", type=int, default=4)
-    d.add_argument("--train-steps", type=int, default=60)
+    d.add_argument("--train-minutes", type=float, default=6.0)
+    d.add_argument("--depth", type=int, default=0, help="served depth (0: the ttt_steps)")
+    d.add_argument("--prompts", type=int, default=6, help="held-out prompts per depth")
+    d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--fresh", action="store_true", help="delete the run dir and start over")
     d.add_argument("--address")
     d.set_defaults(fn=cmd_demo)
@@ -172,6 +227,10 @@ def main(argv=None) -> int:
     add_train_args(t)
     t.set_defaults(fn=cmd_train)
 
+    v = sub.add_parser("serve", help="serve verifier + drafter: OpenAI API on Ray Serve")
+    add_serve_args(v)
+    v.set_defaults(fn=cmd_serve)
+
     x = sub.add_parser("export", help="write a trained drafter in an engine's format")
     x.add_argument("--drafter", required=True, help="a drafter dir (<train output>/drafter)")
     x.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"])
@@ -179,14 +238,7 @@ def main(argv=None) -> int:
     x.set_defaults(fn=cmd_export)
 
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
-    b.add_argument("what", choices=["extract", "train", "quality"])
-    b.add_argument("--samples", type=int, help="conversations (extract: 128, quality: 1200)")
-    b.add_argument("--minutes", type=float, default=10.0, help="quality: training budget each")
-    b.add_argument("--fresh", action="store_true", help="quality: redo extraction and training")
-    b.add_argument("--max-length", type=int, default=512)
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--out", default="runs/bench")
-    b.add_argument("--address")
+    add_bench_args(b)
     b.set_defaults(fn=cmd_bench)
 
     a = p.parse_args(argv)

@@ -397,6 +397,19 @@ def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: 
     return drafter, teacher
 
 
+def untrained_drafter(spec: str, draft_vocab_size: int | None = None, seed: int = 0):
+    """A randomly initialised drafter for `spec` with the first `draft_vocab_size` token ids
+    (default: the full vocabulary) as its draft vocab: for tests, benchmarks of the decoding
+    machinery, and `serve` before any training. Returns (drafter, teacher)."""
+    cfg = verifier.load_config(spec)
+    c = DraftConfig.from_verifier_config(cfg, draft_vocab_size or cfg.vocab_size,
+                                         verifier.default_aux_layer_ids(cfg.num_hidden_layers))
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[:c.draft_vocab_size] = True
+    torch.manual_seed(seed)
+    return build_drafter(spec, c, torch.zeros(c.draft_vocab_size, dtype=torch.long), t2d)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec", nargs="?", default=verifier.EMBEDDED_VERIFIER)

@@ -33,6 +33,11 @@ SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("to
                             ("seconds", pa.float64()), ("init_s", pa.float64())])
 
 
+# A custom node-type resource is requested in a sliver: it pins work to the nodes that carry it
+# without limiting how much work fits on one (GPUs/CPUs do that).
+NODE_RESOURCE_SLIVER = 0.001
+
+
 @dataclass
 class ExtractConfig:
     inputs: list[str] = field(default_factory=lambda: [data.EMBEDDED_SHAREGPT])  # files/dirs/URIs
@@ -45,6 +50,8 @@ class ExtractConfig:
     gpus_per_replica: int = 0            # 0 = CPU; >1 shards one replica over that many GPUs
     max_gpu_memory: str | None = None    # per-GPU cap for the device map, e.g. "70GiB"
     cpus_per_replica: float = 1.0        # Ray CPUs per CPU-only replica (GPU replicas take 0.25)
+    node_resource: str | None = None     # custom resource of the node type to run replicas on
+                                         # (e.g. extract_node, cluster/); a sliver is requested
     torch_threads: int = 0               # CPU replicas: torch threads; 0 = cores // replicas
     token_budget: int = 16384            # padded tokens per verifier forward (micro-batch)
     batch_rows: int = 64                 # samples per Ray Data batch (= per Parquet part, unless
@@ -365,7 +372,8 @@ def build_pipeline(cfg: ExtractConfig, facts: dict, todo: list[tuple[str, str]])
         VerifierExtractor, fn_constructor_args=(cfg, facts), batch_size=cfg.batch_rows,
         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.replicas),
         num_gpus=cfg.gpus_per_replica if gpu else None,
-        num_cpus=0.25 if gpu else cfg.cpus_per_replica)
+        num_cpus=0.25 if gpu else cfg.cpus_per_replica,
+        resources={cfg.node_resource: NODE_RESOURCE_SLIVER} if cfg.node_resource else None)
 
 
 def print_summary(output: str, manifest: dict) -> None:

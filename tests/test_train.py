@@ -54,6 +54,7 @@ def test_loss_falls_and_drafter_is_exported(ray_cluster, tiny_verifier, dataset,
     drafter = out / "drafter"
     meta = json.loads((drafter / "meta.json").read_text())
     assert meta["ttt_steps"] == 3 and meta["steps"] == 30
+    assert meta["verifier_facts"]["hidden_size"] == 64
     assert meta["final_metrics"]["eval/accept_len"] == hist[-1]["eval/accept_len"]
     assert (drafter / "accuracy.png").stat().st_size > 1000
     weights = load_file(drafter / "model.safetensors")
@@ -102,3 +103,32 @@ def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifie
     with pytest.raises(schema.DatasetMismatch, match=r"manifest.json.*hidden_size.*4096"):
         run_train(config(tiny_verifier, str(bad), tmp_path / "run"))
     assert not (tmp_path / "run" / "ray").exists()
+
+
+def test_depth_curriculum_lr_schedule_and_precision():
+    """Pure helpers of the loop: the TTT depth ramp, the lr schedule on the shared clock, the
+    precision choice, and metric sums from a shallower unroll."""
+    import torch
+    from eagle3_ray import train, ttt
+    cfg = TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0.5, max_steps=100, warmup_steps=10,
+                      lr=1e-3, min_lr_ratio=0.1)
+    depths = [train.depth_at(cfg, s, 0.0) for s in range(100)]
+    assert depths[0] == 1 and depths == sorted(depths) and depths.index(8) == 44
+    assert set(depths) == set(range(1, 9))
+    assert train.depth_at(TrainConfig(dataset="x", ttt_steps=8), 0, 0.0) == 8  # no ramp
+    timed = TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0.5, max_minutes=10, max_steps=10**6)
+    assert train.depth_at(timed, 5, 150.0) == 5       # 25% of the time budget = half the ramp
+    assert train.lr_at(cfg, 0, 0.0) == pytest.approx(1e-4)
+    assert train.lr_at(cfg, 100, 0.0) == pytest.approx(1e-4)   # cosine down to lr * 0.1
+    assert train.lr_at(timed, 50, 300.0) == pytest.approx(train.lr_at(
+        TrainConfig(dataset="x", max_steps=10**6, max_minutes=10), 50, 300.0))
+    assert train.autocast_dtype("fp32", True) is None
+    assert train.autocast_dtype("bf16", False) is torch.bfloat16
+    assert train.autocast_dtype("auto", True) is torch.bfloat16
+    with pytest.raises(ValueError, match="precision"):
+        train.autocast_dtype("fp16", False)
+    sums = train.MetricSums(3)
+    m = {k: [2.0] for k in ttt.COUNT_KEYS}             # a depth-1 batch
+    sums.add(m, 1.0, 10)
+    s = sums.summarize(sums.t, "")
+    assert s["acc_0"] == 1.0 and s["acc_2"] == 0.0

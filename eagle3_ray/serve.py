@@ -1,0 +1,595 @@
+"""Stage 3: the speculative decoder (speculate.py) behind an OpenAI-compatible API on Ray Serve.
+
+    POST /v1/chat/completions, POST /v1/completions   OpenAI schema, SSE streaming, usage with
+                                                       speculation stats (rounds, acceptance)
+    GET  /v1/models, GET /health, GET /metrics        Prometheus text (this replica's counters)
+
+One deployment (FastAPI ingress) holds the verifier and the drafter. Placement: `gpus_per_replica`
+GPUs (the verifier sharded over them) and, with `node_resource`, a custom resource only the
+PCIe node type carries, so the replica lands there and nowhere else. Ray Serve does the rest:
+`max_ongoing_requests` per replica, `max_queued_requests` (overflow -> 503 at once),
+autoscaling, `request_timeout_s` (-> 408), and cancelling the request when a client
+disconnects. Each replica decodes one round at a time on one worker thread; concurrent
+requests interleave round by round (no cross-request batching in the built-in engine —
+`engine="vllm"` serves a Kimi-sized verifier through ray.serve.llm, see serve_vllm.py).
+
+    eagle3-ray serve --drafter runs/demo/train/drafter --depth 4     # prints the URL
+    serve run cluster/serve.yaml                                      # the same, from YAML
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+
+from eagle3_ray import speculate, verifier as verifier_lib
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class ServeConfig:
+    verifier: str = verifier_lib.EMBEDDED_VERIFIER  # transformers dir / safetensors / GGUF / embedded
+    drafter: str | None = None            # trained drafter dir (<train output>/drafter); None =
+                                          # plain decoding only (depth 0)
+    model_name: str = "eagle3-ray"        # the OpenAI "model" id clients send
+    depth: int = 4                        # default speculation depth (0 = plain decoding)
+    max_depth: int = 16                   # bound of the per-request `speculation_depth`
+    engine: str = "builtin"               # builtin (transformers + speculate.py) | vllm
+    gpus_per_replica: float = 0           # GPUs per replica; the verifier is sharded over them
+    cpus_per_replica: float = 1.0
+    node_resource: str | None = None      # custom resource of the node type to pin to (pcie_node)
+    num_replicas: int = 1
+    autoscaling: dict | None = None       # Serve autoscaling_config; overrides num_replicas
+    max_ongoing_requests: int = 4         # per replica
+    max_queued_requests: int = 16         # beyond: 503 at once
+    request_timeout_s: float = 300.0      # proxy-level (http_options): 408 after this
+    api_key: str | None = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_API_KEY"))
+    max_model_len: int | None = None      # prompt + output tokens; default: the verifier's
+    default_max_tokens: int = 256         # when a request gives none
+    torch_threads: int = 0                # 0 = cpus_per_replica (CPU) / torch default (GPU)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServeConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"serve config: unknown field(s) {unknown} (known: {sorted(known)})")
+        return cls(**d)
+
+
+# --- requests and errors ----------------------------------------------------------------------
+
+class ApiError(Exception):
+    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = \
+            status, message, param, type_, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0              # OpenAI's default; 0 = greedy
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    speculation_depth: int | None = None  # extension: this request's depth (<= max_depth)
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+
+def parse(body: bytes, kind: type[BaseModel]):
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}")
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise ApiError(400, f"{where}: {err['msg']}", param=where)
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """This replica's counters, rendered as Prometheus text."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = {}      # (endpoint, status) -> count
+        self.c = dict(prompt_tokens=0, generation_tokens=0, rounds=0, drafted_tokens=0,
+                      accepted_tokens=0)
+        self.drafted_at: dict[int, int] = {}               # position -> rounds that drafted it
+        self.accepted_at: dict[int, int] = {}              # position -> rounds that accepted it
+        self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+
+    def request(self, endpoint: str, status: str, latency_s: float | None = None):
+        with self.lock:
+            key = (endpoint, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if latency_s is not None:
+                self.latency_sum += latency_s
+                i = next((i for i, b in enumerate(LATENCY_BUCKETS) if latency_s <= b),
+                         len(LATENCY_BUCKETS))
+                self.latency[i] += 1
+
+    def rounds(self, prompt_tokens: int, rounds: list[speculate.Round]):
+        with self.lock:
+            self.c["prompt_tokens"] += prompt_tokens
+            for r in rounds:
+                self.c["generation_tokens"] += len(r.tokens)
+                if r.drafted == 0 and r is rounds[0]:
+                    continue                                   # the prefill's first token
+                self.c["rounds"] += 1
+                self.c["drafted_tokens"] += r.drafted
+                self.c["accepted_tokens"] += r.accepted
+                for k in range(r.drafted):
+                    self.drafted_at[k] = self.drafted_at.get(k, 0) + 1
+                    if k < r.accepted:
+                        self.accepted_at[k] = self.accepted_at.get(k, 0) + 1
+
+    def render(self) -> str:
+        p = "eagle3_ray_"
+        with self.lock:
+            lines = [f"# TYPE {p}requests_total counter"]
+            lines += [f'{p}requests_total{{endpoint="{e}",status="{s}"}} {n}'
+                      for (e, s), n in sorted(self.requests.items())]
+            for name, v in self.c.items():
+                lines += [f"# TYPE {p}{name}_total counter", f"{p}{name}_total {v}"]
+            tau = (self.c["accepted_tokens"] + self.c["rounds"]) / max(1, self.c["rounds"])
+            lines += [f"# HELP {p}acceptance_length mean tokens per verify round",
+                      f"# TYPE {p}acceptance_length gauge", f"{p}acceptance_length {tau:.6f}",
+                      f"# TYPE {p}drafted_at_position_total counter"]
+            lines += [f'{p}drafted_at_position_total{{position="{k}"}} {v}'
+                      for k, v in sorted(self.drafted_at.items())]
+            lines += [f"# TYPE {p}accepted_at_position_total counter"]
+            lines += [f'{p}accepted_at_position_total{{position="{k}"}} {self.accepted_at.get(k, 0)}'
+                      for k in sorted(self.drafted_at)]
+            lines += [f"# TYPE {p}request_latency_seconds histogram"]
+            total = 0
+            for b, n in zip(list(LATENCY_BUCKETS) + ["+Inf"], self.latency):
+                total += n
+                lines.append(f'{p}request_latency_seconds_bucket{{le="{b}"}} {total}')
+            lines += [f"{p}request_latency_seconds_sum {self.latency_sum:.6f}",
+                      f"{p}request_latency_seconds_count {total}"]
+        return "\n".join(lines) + "\n"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (for tests, `plan` and the demo)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+# --- the engine (no Ray, no HTTP) ------------------------------------------------------------
+
+def check_drafter(cfg: ServeConfig, vcfg) -> dict:
+    """Refuse a drafter that does not fit the verifier (hidden size, vocab, aux layer ids,
+    verifier config hash). Reads only the drafter's config/meta JSON. Returns its meta."""
+    from eagle3_ray import checkpoint
+    c, meta = checkpoint.read_drafter_config(cfg.drafter)
+    problems = []
+    if c.hidden_size != vcfg.hidden_size:
+        problems.append(f"hidden_size {c.hidden_size} != verifier {vcfg.hidden_size}")
+    if c.vocab_size != vcfg.vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != verifier {vcfg.vocab_size}")
+    try:
+        verifier_lib.check_layer_ids(c.aux_layer_ids, vcfg.num_hidden_layers)
+    except ValueError as e:
+        problems.append(str(e))
+    want = (meta.get("verifier_facts") or {}).get("verifier_config_hash")
+    if want and want != verifier_lib.config_hash(vcfg):
+        problems.append(f"trained on verifier config {want}, this verifier's is "
+                        f"{verifier_lib.config_hash(vcfg)}")
+    if problems:
+        raise ValueError(f"drafter {cfg.drafter} does not match verifier {cfg.verifier}: "
+                         + "; ".join(problems))
+    return meta
+
+
+class Engine:
+    """Tokenizer + verifier + drafter + Speculator; turns validated requests into rounds."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        if cfg.torch_threads or not cfg.gpus_per_replica:
+            torch.set_num_threads(cfg.torch_threads or max(1, int(cfg.cpus_per_replica)))
+        vcfg = verifier_lib.load_config(cfg.verifier)
+        self.ttt_steps = None
+        if cfg.drafter:
+            self.ttt_steps = check_drafter(cfg, vcfg).get("ttt_steps")
+        elif cfg.depth:
+            raise ValueError(f"depth {cfg.depth} needs a drafter (--drafter), or use depth 0")
+        if not 0 <= cfg.depth <= cfg.max_depth <= 32:
+            raise ValueError(f"need 0 <= depth ({cfg.depth}) <= max_depth ({cfg.max_depth}) <= 32")
+        self.tok = verifier_lib.load_tokenizer(cfg.verifier)
+        model = verifier_lib.load_verifier(cfg.verifier, num_gpus=int(cfg.gpus_per_replica))
+        drafter = None
+        if cfg.drafter:
+            from eagle3_ray.train import load_trained_drafter
+            drafter = load_trained_drafter(cfg.drafter, cfg.verifier)[0]
+            p = next(model.parameters())
+            drafter = drafter.to(device=p.device, dtype=p.dtype)
+        self.spec = speculate.Speculator(model, drafter)
+        self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        self.eos_ids = tuple(sorted({*eos, self.tok.eos_token_id} - {None}))
+        if self.ttt_steps and cfg.depth > self.ttt_steps:
+            log.warning(f"default depth {cfg.depth} > the drafter's trained ttt_steps "
+                        f"{self.ttt_steps}: positions past it are extrapolation")
+
+    def prompt_ids(self, req) -> list[int]:
+        if isinstance(req, ChatRequest):
+            if not req.messages:
+                raise ApiError(400, "messages must not be empty", "messages")
+            messages = []
+            for i, m in enumerate(req.messages):
+                content = m.get("content")
+                if isinstance(content, list):  # content parts: keep the text ones
+                    content = "".join(p.get("text", "") for p in content
+                                      if isinstance(p, dict) and p.get("type") == "text")
+                if not isinstance(m.get("role"), str) or not isinstance(content, str):
+                    raise ApiError(400, f"messages[{i}] needs a string role and text content",
+                                   f"messages.{i}")
+                messages.append({"role": m["role"], "content": content})
+            try:
+                text = self.tok.apply_chat_template(messages, tokenize=False,
+                                                    add_generation_prompt=True)
+            except Exception as e:
+                raise ApiError(400, f"messages do not fit the chat template: {e}", "messages")
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt = req.prompt
+            if isinstance(prompt, list):
+                if len(prompt) != 1:
+                    raise ApiError(400, "only one prompt per request is supported", "prompt")
+                prompt = prompt[0]
+            ids = self.tok(prompt)["input_ids"]
+        if not ids:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return list(ids)
+
+    def sampling(self, req, n_prompt: int) -> tuple[speculate.SamplingParams, int, list[str]]:
+        """Validate the request's sampling fields -> (params, depth, stop strings)."""
+        if req.model != self.cfg.model_name:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
+                                f"{self.cfg.model_name!r}", "model", code="model_not_found")
+        if req.n != 1:
+            raise ApiError(400, "only n=1 is supported", "n")
+        if req.temperature < 0 or req.temperature > 2:
+            raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}",
+                           "temperature")
+        if not 0 < req.top_p <= 1:
+            raise ApiError(400, f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise ApiError(400, "stop: up to 4 non-empty strings", "stop")
+        room = self.max_model_len - n_prompt
+        if room <= 0:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} "
+                                f"tokens; the prompt has {n_prompt}", "messages",
+                           code="context_length_exceeded")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is not None and max_tokens <= 0:
+            raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} "
+                                f"tokens; the prompt has {n_prompt} and max_tokens is "
+                                f"{max_tokens}", "max_tokens", code="context_length_exceeded")
+        depth = self.cfg.depth if req.speculation_depth is None else req.speculation_depth
+        if not 0 <= depth <= self.cfg.max_depth or (depth and not self.spec.drafter):
+            raise ApiError(400, f"speculation_depth must be in [0, "
+                                f"{self.cfg.max_depth if self.spec.drafter else 0}], got {depth}",
+                           "speculation_depth")
+        sp = speculate.SamplingParams(
+            max_tokens=max_tokens or min(room, self.cfg.default_max_tokens),
+            temperature=req.temperature, top_p=req.top_p, seed=req.seed, eos_ids=self.eos_ids)
+        return sp, depth, stop
+
+    def warning(self, depth: int) -> str | None:
+        if self.ttt_steps and depth > self.ttt_steps:
+            return (f"speculation_depth {depth} > the drafter's trained ttt_steps "
+                    f"{self.ttt_steps}: acceptance past it is extrapolation")
+        return None
+
+
+def usage(n_prompt: int, rounds: list[speculate.Round], depth: int, warning: str | None) -> dict:
+    """OpenAI usage + this request's speculation stats (rounds after the prefill)."""
+    out = sum(len(r.tokens) for r in rounds)
+    verify = rounds[1:]
+    drafted = sum(r.drafted for r in verify)
+    accepted = sum(r.accepted for r in verify)
+    spec = {"depth": depth, "rounds": len(verify), "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance_length": (accepted + len(verify)) / max(1, len(verify)),
+            "accepted_per_position": [sum(r.accepted > k for r in verify) for k in range(depth)]}
+    if warning:
+        spec["warning"] = warning
+    return {"prompt_tokens": n_prompt, "completion_tokens": out,
+            "total_tokens": n_prompt + out, "speculation": spec}
+
+
+class _Job:
+    """One request's decoding: steps the Speculator's generator on the replica's decode thread
+    (one round per step, so requests interleave), detokenizes with stop strings, and records
+    metrics exactly once however it ends (done, error, client gone)."""
+
+    def __init__(self, server, prompt, sp, depth, stop, endpoint, rid, t0,
+                 warning, include_usage):
+        self.server, self.prompt, self.depth, self.endpoint = server, prompt, depth, endpoint
+        self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
+        self.gen = server.engine.spec.generate(prompt, sp, depth)
+        self.text = speculate.TextStream(server.engine.tok, stop)
+        self.rounds: list[speculate.Round] = []
+        self.closed = False
+
+    async def step(self) -> tuple[str, str | None, bool]:
+        """Next round -> (new text, finish_reason, done)."""
+        loop = asyncio.get_running_loop()
+        r = await loop.run_in_executor(self.server.pool, next, self.gen, None)
+        if r is None:
+            return self.text.push([], final=True), "stop", True
+        self.rounds.append(r)
+        piece = self.text.push(r.tokens, final=r.finish_reason is not None)
+        if self.text.stopped:
+            return piece, "stop", True
+        return piece, r.finish_reason, r.finish_reason is not None
+
+    async def run(self) -> tuple[str, str]:
+        out = []
+        while True:
+            piece, reason, done = await self.step()
+            out.append(piece)
+            if done:
+                return "".join(out), reason
+
+    def usage(self) -> dict:
+        return usage(len(self.prompt), self.rounds, self.depth, self.warning)
+
+    def close(self, status: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.server.pool.submit(self.gen.close)  # after a round in flight, on the same thread
+        m = self.server.metrics
+        m.rounds(len(self.prompt), self.rounds)
+        m.request(self.endpoint, status, time.perf_counter() - self.t0)
+
+    def chunk(self, delta_text: str | None, reason: str | None, first: bool = False) -> str:
+        if self.endpoint == "chat":
+            delta = {"role": "assistant", "content": ""} if first else \
+                ({"content": delta_text} if delta_text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
+                      "logprobs": None}
+            obj = "text_completion"
+        body = {"id": self.rid, "object": obj, "created": int(time.time()),
+                "model": self.server.cfg.model_name, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def sse(self):
+        status = "cancelled"  # unless it finishes (a disconnect cancels this task)
+        try:
+            if self.endpoint == "chat":
+                yield self.chunk(None, None, first=True)
+            while True:
+                try:
+                    piece, reason, done = await self.step()
+                except Exception as e:
+                    status = "500"
+                    log.exception("generation failed")
+                    err = {"error": {"message": f"generation failed: {e}",
+                                     "type": "server_error", "param": None, "code": None}}
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+                if piece:
+                    yield self.chunk(piece, None)
+                if done:
+                    yield self.chunk(None, reason)
+                    if self.include_usage:
+                        final = json.loads(self.chunk(None, None)[6:])
+                        final["choices"], final["usage"] = [], self.usage()
+                        yield f"data: {json.dumps(final)}\n\n"
+                    status = "200"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.close(status)
+
+
+# --- the Ray Serve deployment ---------------------------------------------------------------
+# Everything the deployment class uses is defined above it: Serve pickles the class when the
+# decorator runs, with the module globals that exist at that moment.
+
+api = FastAPI(title="eagle3_ray")
+
+
+@serve.deployment
+@serve.ingress(api)
+class SpeculativeServer:
+    def __init__(self, cfg: dict):
+        self.cfg = ServeConfig.from_dict(cfg)
+        self.engine = Engine(self.cfg)
+        self.metrics = Metrics()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode")
+
+    def _auth(self, request: Request) -> None:
+        key = self.cfg.api_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                           type_="authentication_error", code="invalid_api_key")
+
+    @api.get("/health")
+    async def health(self):
+        return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def prometheus(self):
+        return PlainTextResponse(self.metrics.render(),
+                                 media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/models")
+    async def models(self, request: Request):
+        try:
+            self._auth(request)
+        except ApiError as e:
+            return e.response()
+        return {"object": "list", "data": [{
+            "id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "eagle3_ray",
+            "max_model_len": self.engine.max_model_len, "speculation_depth": self.cfg.depth,
+            "max_speculation_depth": self.cfg.max_depth, "drafter_ttt_steps": self.engine.ttt_steps}]}
+
+    @api.post("/v1/chat/completions")
+    async def chat(self, request: Request):
+        return await self._complete(request, ChatRequest, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._complete(request, CompletionRequest, "completions")
+
+    async def _complete(self, request: Request, kind, endpoint: str):
+        t0 = time.perf_counter()
+        try:
+            self._auth(request)
+            req = parse(await request.body(), kind)
+            prompt = self.engine.prompt_ids(req)
+            sp, depth, stop = self.engine.sampling(req, len(prompt))
+        except ApiError as e:
+            self.metrics.request(endpoint, str(e.status))
+            return e.response()
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        job = _Job(self, prompt, sp, depth, stop, endpoint, rid, t0,
+                   self.engine.warning(depth), include_usage=bool(
+                       (req.stream_options or {}).get("include_usage")))
+        if req.stream:
+            return StreamingResponse(job.sse(), media_type="text/event-stream")
+        try:
+            text, reason = await job.run()
+        except asyncio.CancelledError:
+            job.close("cancelled")
+            raise
+        except Exception as e:  # a bug must not take the replica down
+            job.close("500")
+            log.exception("generation failed")
+            return ApiError(500, f"generation failed: {e}", type_="server_error").response()
+        job.close("200")
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": reason, "logprobs": None} if endpoint == "chat" else
+                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+        return {"id": rid, "object": "chat.completion" if endpoint == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.cfg.model_name, "choices": [choice],
+                "usage": job.usage()}
+
+
+# --- building and running the app -------------------------------------------------------------
+
+def build_app(cfg: ServeConfig):
+    """The Serve application for `cfg` (checks the drafter against the verifier first)."""
+    if cfg.engine == "vllm":
+        from eagle3_ray.serve_vllm import build_vllm_app
+        return build_vllm_app(cfg)
+    if cfg.engine != "builtin":
+        raise ValueError(f"engine must be builtin or vllm, got {cfg.engine!r}")
+    cfg = resolve_paths(cfg)
+    if cfg.drafter:
+        check_drafter(cfg, verifier_lib.load_config(cfg.verifier))  # fail here, not in a replica
+    return SpeculativeServer.options(**deployment_options(cfg)).bind(asdict(cfg))
+
+
+def deployment_options(cfg: ServeConfig) -> dict:
+    """The Serve deployment options: replica resources (pinned to `node_resource`), limits,
+    scaling."""
+    from eagle3_ray.extract import NODE_RESOURCE_SLIVER
+    actor = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica}
+    if cfg.node_resource:
+        actor["resources"] = {cfg.node_resource: NODE_RESOURCE_SLIVER}
+    scale = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling
+             else {"num_replicas": cfg.num_replicas})
+    return {"ray_actor_options": actor, "max_ongoing_requests": cfg.max_ongoing_requests,
+            "max_queued_requests": cfg.max_queued_requests, **scale}
+
+
+def resolve_paths(cfg: ServeConfig) -> ServeConfig:
+    """Local paths made absolute: replicas run in another working directory."""
+    from dataclasses import replace
+    from eagle3_ray import schema
+    return replace(cfg, verifier=verifier_lib.absolute_spec(cfg.verifier),
+                   drafter=schema.absolute(cfg.drafter) if cfg.drafter else None)
+
+
+def app_builder(args: dict):
+    """`serve run eagle3_ray.serve:app_builder depth=4 ...` and the import_path of
+    cluster/serve.yaml: Serve passes the YAML `args` here."""
+    return build_app(ServeConfig.from_dict(dict(args)))
+
+
+def start(cfg: ServeConfig, address: str | None = None, name: str = "eagle3") -> str:
+    """Start Serve (HTTP on cfg.host:cfg.port), deploy, return the base URL."""
+    from eagle3_ray.launch import init_ray
+    init_ray(address)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port,
+                              "request_timeout_s": cfg.request_timeout_s})
+    serve.run(build_app(cfg), name=name, route_prefix="/")
+    return f"http://{cfg.host}:{cfg.port}"
+
+
+def run_serve(cfg: ServeConfig, address: str | None = None) -> None:
+    """`eagle3-ray serve`: deploy and keep serving until interrupted."""
+    url = start(cfg, address)
+    print(f"[serve] {cfg.model_name} (depth {cfg.depth}, engine {cfg.engine}) at {url}/v1 "
+          f"- try: curl {url}/v1/models", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        serve.shutdown()

@@ -1,0 +1,305 @@
+"""Stage 3 core: chain speculative decoding with an EAGLE-3 drafter (pure PyTorch, no Ray).
+
+One round at depth D (n tokens already in the verifier's KV cache, `x` the next token):
+    draft    the drafter proposes d_1..d_D, each step fed its own previous output state
+    verify   one verifier forward over [x, d_1..d_D] (D+1 tokens) -> logits and, via hooks on the
+             3 aux layers, the aux states for the drafter's next round
+    accept   greedy: the longest prefix with d_i == argmax; sampling: rejection sampling (accept
+             d_i with min(1, p/q), else resample from norm(max(p - q, 0))), so the output
+             distribution is exactly the verifier's
+    emit     the accepted d_1..d_a plus the verifier's own next token (the "bonus")
+    rollback both KV caches are cropped to the accepted positions; the drafter then absorbs
+             (token t+1, verifier aux state t) for the accepted positions
+Depth 0 is plain decoding through the same code (no drafter, a 1-token verify), the baseline.
+
+The drafter's KV cache holds, per position t, the keys of (token t+1, verifier state t); draft
+steps append at t+1, t+2, ... and are dropped after verification — the same pattern the TTT
+unroll trains (ttt.py: step-0 keys causally, plus the drafter's own steps at one position).
+
+    python -m eagle3_ray.speculate --prompt "What is Ray?" --depth 4   # embedded verifier,
+                                                                      # untrained drafter
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from eagle3_ray import verifier as verifier_lib
+
+
+@dataclass
+class Round:
+    """What one round emitted. `tokens` may be cut short by EOS / max_tokens (finish_reason)."""
+    tokens: list[int]
+    drafted: int                          # draft tokens proposed (= depth of the round)
+    accepted: int                         # of them accepted by the verifier
+    finish_reason: str | None = None      # "stop" (EOS) | "length" (max_tokens) | None
+    verify_s: float = 0.0                 # wall time of the verifier forward
+    draft_s: float = 0.0                  # wall time of the drafter's steps
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0              # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+
+class DraftKV:
+    """The drafter's KV cache, as the `attend(q, k, v)` of Eagle3Drafter.forward: appends the
+    new keys/values and lets each new query see every cached key up to its own position."""
+
+    def __init__(self):
+        self.k = self.v = None                                        # [1, nkv, L, D]
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def crop(self, n: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        old = len(self)
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)   # [1, nkv, L, D]
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        b, nh, s, d = q.shape
+        keys, values = self.k, self.v
+        if nh != keys.shape[1]:                                           # GQA
+            keys = keys.repeat_interleave(nh // keys.shape[1], dim=1)     # [1, nh, L, D]
+            values = values.repeat_interleave(nh // values.shape[1], dim=1)
+        pos_q = torch.arange(old, old + s, device=q.device)[:, None]
+        mask = torch.arange(old + s, device=q.device)[None, :] <= pos_q   # [s, L]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [1, nh, s, D]
+        return out.transpose(1, 2).reshape(b, s, nh * d)                 # [1, s, nh*D]
+
+
+def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[.., V] logits -> the sampling distribution (temperature, then nucleus), fp32."""
+    p = (logits.float() / temperature).softmax(-1)
+    if top_p < 1.0:
+        sorted_p, idx = p.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p   # mass before this token already >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        p = torch.zeros_like(p).scatter(-1, idx, sorted_p)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+class Speculator:
+    """A verifier (a transformers causal LM) and an optional EAGLE-3 drafter (draft.py), sharing
+    a device. generate() decodes one request and yields a Round per verifier forward."""
+
+    def __init__(self, model, drafter=None, layer_ids: list[int] | None = None):
+        self.model, self.drafter = model, drafter
+        self.device = next(model.parameters()).device
+        n_layers = model.config.num_hidden_layers
+        self.layer_ids = None                      # no drafter: nothing to capture
+        if drafter is not None:
+            self.layer_ids = verifier_lib.check_layer_ids(
+                layer_ids or drafter.config.aux_layer_ids
+                or verifier_lib.default_aux_layer_ids(n_layers), n_layers)
+
+    # --- the two models ----------------------------------------------------------------------
+
+    def _verify(self, ids: list[int], cache: DynamicCache):
+        """Forward `ids` after the cached positions -> logits [s, V] fp32, aux [1, s, 3H]."""
+        start = cache.get_seq_length()
+        x = torch.tensor([ids], device=self.device)                       # [1, s]
+        pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        if self.layer_ids is None:
+            out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+            return out.logits[0].float(), None
+        with verifier_lib.capture_hidden_states(self.model, self.layer_ids) as got:
+            out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+        aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, s, 3H]
+        return out.logits[0].float(), aux
+
+    def _draft_step(self, tokens: list[int], hidden: torch.Tensor, kv: DraftKV):
+        """Drafter forward of `tokens` (at the positions after kv's) with `hidden` ([1, s, 3H]
+        verifier aux or [1, 1, H] its own state) -> (last output state [1, 1, H],
+        draft-vocab logits of the last position [Vd])."""
+        start = len(kv)
+        t = torch.tensor([tokens], device=self.device)                    # [1, s]
+        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
+        dtype = self.drafter.fc.weight.dtype
+        out = self.drafter(t, hidden.to(dtype), pos, attend=kv)[:, -1:]   # [1, 1, H]
+        return out, self.drafter.logits(out)[0, -1].float()               # [Vd]
+
+    def _propose(self, logits_d: torch.Tensor, sp: SamplingParams, gen):
+        """Draft-vocab logits -> (target token id, q over the full vocab or None if greedy)."""
+        if sp.temperature == 0:
+            return int(self.drafter.draft_to_target(logits_d.argmax())), None
+        q_d = probs(logits_d, sp.temperature, sp.top_p)                   # [Vd]
+        i = torch.multinomial(q_d, 1, generator=gen)[0]
+        q = torch.zeros(self.drafter.t2d.shape[0], device=q_d.device)     # [V]
+        q[self.drafter.draft_to_target(torch.arange(len(q_d), device=q_d.device))] = q_d
+        return int(self.drafter.draft_to_target(i)), q
+
+    # --- one request ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], sp: SamplingParams, depth: int = 0) -> Iterator[Round]:
+        """Yield Rounds until EOS or max_tokens; the caller may stop early (stop strings, a
+        disconnected client) by closing the generator. `depth` may also be a callable
+        (stats so far: list[Round]) -> int, for a depth chosen per round."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if sp.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {sp.max_tokens}")
+        if self.drafter is None and (callable(depth) or depth):
+            raise ValueError("depth > 0 needs a drafter")
+        gen = None
+        if sp.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(sp.seed)
+        cache, kv, history = DynamicCache(), DraftKV(), []
+        t0 = time.perf_counter()
+        logits, aux = self._verify(prompt, cache)
+        x = self._pick(logits[-1], sp, gen)
+        verify_s = time.perf_counter() - t0
+        emitted = 0
+        # the drafter absorbs (token t+1, aux t) for the prompt: tokens prompt[1:] + [x]
+        absorb, absorb_aux = prompt[1:] + [x], aux
+        r = self._emit([x], 0, 0, sp, emitted, verify_s, 0.0)
+        while True:
+            history.append(r)
+            emitted += len(r.tokens)
+            yield r
+            if r.finish_reason:
+                return
+            d = depth(history) if callable(depth) else depth
+            t0 = time.perf_counter()
+            drafts, qs = [], []
+            if d > 0:
+                h, logits_d = self._draft_step(absorb, absorb_aux, kv)
+                for i in range(d):
+                    tok, q = self._propose(logits_d, sp, gen)
+                    drafts.append(tok)
+                    qs.append(q)
+                    if i + 1 < d:
+                        h, logits_d = self._draft_step([tok], h, kv)
+            t1 = time.perf_counter()
+            n = cache.get_seq_length()                     # x goes to position n
+            logits, aux = self._verify([x] + drafts, cache)                # [d+1, V]
+            a, bonus = self._accept(drafts, qs, logits, sp, gen)
+            t2 = time.perf_counter()
+            cache.crop(-(cache.get_seq_length() - (n + a + 1)))  # keep x + accepted drafts
+            new = drafts[:a] + [bonus]
+            if d > 0:
+                kv.crop(n)                                 # drop the draft steps' keys
+                absorb, absorb_aux = new, aux[:, :a + 1]                   # [1, a+1, 3H]
+            elif self.drafter is not None:                 # a depth-0 round: absorb later
+                absorb, absorb_aux = absorb + new, torch.cat([absorb_aux, aux[:, :a + 1]], 1)
+            x = bonus
+            r = self._emit(new, d, a, sp, emitted, t2 - t1, t1 - t0)
+
+    def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> int:
+        if sp.temperature == 0:
+            return int(logits.argmax())
+        return int(torch.multinomial(probs(logits, sp.temperature, sp.top_p), 1, generator=gen)[0])
+
+    def _accept(self, drafts, qs, logits, sp: SamplingParams, gen) -> tuple[int, int]:
+        """-> (accepted drafts a, the verifier's token after them)."""
+        if sp.temperature == 0:
+            target = logits.argmax(-1).tolist()                            # [d+1]
+            a = 0
+            while a < len(drafts) and drafts[a] == target[a]:
+                a += 1
+            return a, target[a]
+        for i, (tok, q) in enumerate(zip(drafts, qs)):
+            p = probs(logits[i], sp.temperature, sp.top_p)                 # [V]
+            u = torch.rand((), generator=gen, device=p.device)
+            if u * q[tok] < p[tok]:                                        # u < p/q
+                continue
+            resid = (p - q).clamp(min=0)                                   # [V]
+            if float(resid.sum()) <= 0:                                    # p == q numerically
+                resid = p
+            return i, int(torch.multinomial(resid / resid.sum(), 1, generator=gen)[0])
+        return len(drafts), self._pick(logits[len(drafts)], sp, gen)
+
+    @staticmethod
+    def _emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s):
+        reason = None
+        for i, t in enumerate(tokens):
+            if t in sp.eos_ids:
+                tokens, reason = tokens[:i], "stop"   # EOS ends the text and is not part of it
+                break
+        if reason is None and emitted + len(tokens) >= sp.max_tokens:
+            tokens, reason = tokens[:sp.max_tokens - emitted], "length"
+        return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s)
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: push(token ids) -> text safe to send now.
+    Holds back an incomplete UTF-8 character and any tail that could begin a stop string;
+    `stopped` turns True when a stop string appears (the text ends right before it)."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tok, self.stop = tokenizer, [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.sent = 0                     # characters of the decoded text already returned
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        end = len(text)
+        for s in self.stop:
+            i = text.find(s, max(0, self.sent - len(s) + 1))
+            if i >= 0 and i < end:
+                end, self.stopped = i, True
+        if not self.stopped and not final:
+            if text.endswith("\ufffd"):                                    # partial character
+                end = len(text.rstrip("\ufffd"))
+            for s in self.stop:                                            # a stop may begin
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if text[end - k:end] == s[:k]:
+                        end -= k
+                        break
+        end = max(end, self.sent)
+        out, self.sent = text[self.sent:end], end
+        return out
+
+
+def main(argv=None):
+    from eagle3_ray import draft
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--verifier", default=verifier_lib.EMBEDDED_VERIFIER)
+    p.add_argument("--drafter", help="a trained drafter dir (default: an untrained one)")
+    p.add_argument("--prompt", default="What is Ray?")
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=48)
+    a = p.parse_args(argv)
+    tok, model = verifier_lib.load_tokenizer(a.verifier), verifier_lib.load_verifier(a.verifier)
+    if a.drafter:
+        from eagle3_ray.train import load_trained_drafter
+        drafter = load_trained_drafter(a.drafter, a.verifier)[0]
+    else:
+        drafter = draft.untrained_drafter(a.verifier)[0]
+    spec = Speculator(model, drafter.eval())
+    prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}],
+                                     add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    for depth in (0, a.depth):
+        t0, out, rounds = time.perf_counter(), [], 0
+        sp = SamplingParams(max_tokens=a.max_tokens, eos_ids=(tok.eos_token_id,))
+        for r in spec.generate(prompt, sp, depth):
+            out += r.tokens
+            rounds += 1
+        dt = time.perf_counter() - t0
+        print(f"depth {depth}: {len(out)} tokens in {rounds} rounds, {len(out) / dt:.1f} tok/s: "
+              f"{tok.decode(out)!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""The Ray Serve OpenAI app (serve.py) through real HTTP: a real Serve deployment on the test
+Ray cluster, the tiny random verifier and an untrained drafter saved as a real checkpoint."""
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+import requests
+import torch
+import yaml
+
+from eagle3_ray import checkpoint, draft, serve
+from eagle3_ray.serve import ServeConfig
+
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+
+
+def save_untrained(spec: str, out: str, ttt_steps: int = 2) -> str:
+    drafter, _ = draft.untrained_drafter(spec, draft_vocab_size=2000)
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
+    checkpoint.save_drafter(out, state, drafter.config, {"ttt_steps": ttt_steps, "verifier": spec})
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_verifier, tmp_path_factory):
+    from ray import serve as ray_serve
+    drafter = save_untrained(tiny_verifier, str(tmp_path_factory.mktemp("srv") / "drafter"))
+    cfg = ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL, depth=2,
+                      max_depth=8, cpus_per_replica=0.5, max_ongoing_requests=2,
+                      max_queued_requests=1, api_key=KEY, max_model_len=256,
+                      port=free_port(), torch_threads=1)
+    url = serve.start(cfg)
+    yield url, cfg
+    ray_serve.shutdown()
+
+
+def post(url, path, body, headers=AUTH, **kw):
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(url + path, data=data, timeout=120,
+                         headers={"Content-Type": "application/json", **headers}, **kw)
+
+
+def chat(content="Tell me about rivers.", **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 16, **kw}
+
+
+def sse(resp) -> list:
+    out = []
+    for line in resp.iter_lines(decode_unicode=True):
+        if line:
+            assert line.startswith("data: ")
+            out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return out
+
+
+def metrics(url) -> dict:
+    r = requests.get(url + "/metrics", timeout=30)
+    assert r.status_code == 200
+    return serve.parse_metrics(r.text)
+
+
+def test_chat_and_completions_greedy_match_plain_decoding(server):
+    url, _ = server
+    r = post(url, "/v1/chat/completions", chat())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    text = body["choices"][0]["message"]["content"]
+    u = body["usage"]
+    assert u["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
+    assert u["total_tokens"] == u["prompt_tokens"] + 16
+    s = u["speculation"]
+    assert s["depth"] == 2 and s["rounds"] >= 1 and s["drafted_tokens"] == 2 * s["rounds"]
+    assert 1 <= s["acceptance_length"] <= 3 and len(s["accepted_per_position"]) == 2
+    for depth in (0, 5):  # greedy output is the verifier's at any depth
+        other = post(url, "/v1/chat/completions", chat(speculation_depth=depth)).json()
+        assert other["choices"][0]["message"]["content"] == text
+        assert other["usage"]["speculation"]["depth"] == depth
+    assert "warning" in other["usage"]["speculation"]      # 5 > the drafter's ttt_steps (2)
+
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
+                                      "temperature": 0, "max_tokens": 10, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 10
+    sampled = [post(url, "/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 12,
+                                             "temperature": 0.8, "seed": 11}).json()
+               for _ in range(2)]
+    assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]  # seeded
+
+
+def test_streaming_chat_and_completions(server):
+    url, _ = server
+    full = post(url, "/v1/chat/completions", chat()).json()["choices"][0]["message"]["content"]
+    with post(url, "/v1/chat/completions",
+              chat(stream=True, stream_options={"include_usage": True}), stream=True) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+
+    with post(url, "/v1/completions", {"model": MODEL, "prompt": "Hello", "stream": True,
+                                       "temperature": 0, "max_tokens": 8}, stream=True) as r:
+        events = sse(r)
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+    plain = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hello", "temperature": 0,
+                                          "max_tokens": 8}).json()["choices"][0]["text"]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == plain
+
+
+def test_stop_strings(server):
+    url, _ = server
+    full = post(url, "/v1/completions", {"model": MODEL, "prompt": "The", "temperature": 0,
+                                         "max_tokens": 24}).json()["choices"][0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "The", "temperature": 0,
+                                      "max_tokens": 24, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == full[:full.index(stop)]
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"model": MODEL}, 400, "messages"),
+    (chat("word " * 400), 400, "messages"),                # prompt beyond max_model_len (256)
+    (chat(max_tokens=250), 400, "max_tokens"),             # prompt + max_tokens beyond it
+    (chat(max_tokens=0), 400, "max_tokens"),
+    (chat(temperature=-0.5), 400, "temperature"),
+    (chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (chat(stop=17), 400, "stop"),
+    (chat(speculation_depth=9), 400, "speculation_depth"),  # > max_depth
+    (chat(n=2), 400, "n"),
+])
+def test_bad_input_gets_openai_errors_and_the_replica_keeps_serving(server, body, status, param):
+    url, _ = server
+    r = post(url, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"].split(".")[0] == param
+    assert post(url, "/v1/chat/completions", chat(max_tokens=2)).status_code == 200
+
+
+def test_api_key_models_health(server):
+    url, _ = server
+    r = post(url, "/v1/chat/completions", chat(), headers={})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = post(url, "/v1/chat/completions", chat(), headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert requests.get(url + "/v1/models", timeout=30).status_code == 401
+    m = requests.get(url + "/v1/models", headers=AUTH, timeout=30).json()
+    assert m["data"][0]["id"] == MODEL and m["data"][0]["max_model_len"] == 256
+    assert requests.get(url + "/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_metrics_reflect_requests(server):
+    url, _ = server
+    before = metrics(url)
+    u = post(url, "/v1/chat/completions", chat(max_tokens=9, speculation_depth=3)).json()["usage"]
+    post(url, "/v1/chat/completions", chat(temperature=-1))
+    after = metrics(url)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+    assert delta('eagle3_ray_requests_total{endpoint="chat",status="200"}') == 1
+    assert delta('eagle3_ray_requests_total{endpoint="chat",status="400"}') == 1
+    assert delta("eagle3_ray_generation_tokens_total") == 9
+    assert delta("eagle3_ray_prompt_tokens_total") == u["prompt_tokens"]
+    s = u["speculation"]
+    assert delta("eagle3_ray_rounds_total") == s["rounds"]
+    assert delta("eagle3_ray_drafted_tokens_total") == s["drafted_tokens"]
+    assert delta("eagle3_ray_accepted_tokens_total") == s["accepted_tokens"]
+    assert delta('eagle3_ray_drafted_at_position_total{position="2"}') == s["rounds"]
+    assert delta('eagle3_ray_accepted_at_position_total{position="0"}') == \
+        s["accepted_per_position"][0]
+    assert delta("eagle3_ray_request_latency_seconds_count") == 1
+    assert after["eagle3_ray_acceptance_length"] >= 1
+
+
+def test_overload_answers_503_at_once(server):
+    url, _ = server
+    results = []
+
+    def one():
+        t0 = time.perf_counter()
+        r = post(url, "/v1/completions", {"model": MODEL, "prompt": "Count", "max_tokens": 150,
+                                          "temperature": 0, "speculation_depth": 0})
+        results.append((r.status_code, time.perf_counter() - t0))
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = [c for c, _ in results]
+    assert codes.count(200) >= 2 and codes.count(503) >= 1, codes
+    slowest_ok = max(s for c, s in results if c == 200)
+    assert all(s < slowest_ok for c, s in results if c == 503)  # rejected, not queued
+
+
+def test_client_disconnect_frees_the_slot(server):
+    url, _ = server
+    before = metrics(url)
+    with post(url, "/v1/completions", {"model": MODEL, "prompt": "Go", "stream": True,
+                                       "max_tokens": 240, "temperature": 0,
+                                       "speculation_depth": 0}, stream=True) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith(b"data: ")
+    # the connection is closed: Serve cancels the request, the decode loop stops early
+    deadline = time.time() + 60
+    key = 'eagle3_ray_requests_total{endpoint="completions",status="cancelled"}'
+    while time.time() < deadline and metrics(url).get(key, 0) == before.get(key, 0):
+        time.sleep(0.2)
+    after = metrics(url)
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    assert after["eagle3_ray_generation_tokens_total"] - \
+        before["eagle3_ray_generation_tokens_total"] < 240
+    assert post(url, "/v1/chat/completions", chat(max_tokens=2)).status_code == 200
+
+
+def test_mismatched_drafter_is_refused(tiny_verifier, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    other = tmp_path / "other_verifier"
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=3000)
+    LlamaForCausalLM(cfg).save_pretrained(other)
+    bad = save_untrained(str(other), str(tmp_path / "bad_drafter"))
+    with pytest.raises(ValueError, match="hidden_size 32 != verifier 64"):
+        serve.build_app(ServeConfig(verifier=tiny_verifier, drafter=bad))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        serve.Engine(ServeConfig(verifier=tiny_verifier, depth=3))
+
+
+def test_serve_yaml_builds_the_app(tiny_verifier, tmp_path):
+    path = os.path.join(os.path.dirname(__file__), "..", "cluster", "serve.yaml")
+    conf = yaml.safe_load(open(path))
+    app = conf["applications"][0]
+    assert app["import_path"] == "eagle3_ray.serve:app_builder"
+    args = dict(app["args"], verifier=tiny_verifier,
+                drafter=save_untrained(tiny_verifier, str(tmp_path / "d")))
+    built = serve.app_builder(args)
+    d = built._bound_deployment
+    assert d.ray_actor_options["resources"] == {args["node_resource"]: 0.001}
+    assert d.ray_actor_options["num_gpus"] == args["gpus_per_replica"]
+    with pytest.raises(ValueError, match="unknown field"):
+        serve.app_builder({"depht": 3})

@@ -1,0 +1,199 @@
+"""The speculative decoder (speculate.py): lossless greedy, exact sampling, stops, text stream.
+Pure PyTorch on tiny random Llamas; no Ray."""
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eagle3_ray import speculate
+from eagle3_ray.draft import DraftConfig, Eagle3Drafter
+from eagle3_ray.speculate import SamplingParams, Speculator
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | None = None,
+              head_scale: float = 30.0, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    vd = draft_vocab or vocab
+    c = DraftConfig.from_verifier_config(cfg, vd, [0, layers // 2, layers - 1])
+    drafter = Eagle3Drafter(c).eval()
+    drafter.t2d[:vd] = True  # draft ids = the first vd target ids (d2t = 0)
+    return model, drafter
+
+
+def run(spec: Speculator, prompt, sp: SamplingParams, depth):
+    out, rounds = [], []
+    for r in spec.generate(prompt, sp, depth):
+        out += r.tokens
+        rounds.append(r)
+    return out, rounds
+
+
+def test_greedy_equals_plain_decoding_at_every_depth():
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300)
+    spec = Speculator(model, drafter)
+    g = torch.Generator().manual_seed(0)
+    for i in range(6):
+        prompt = torch.randint(0, 500, (3 + 4 * i,), generator=g).tolist()
+        sp = SamplingParams(max_tokens=24)
+        base, rounds0 = run(spec, prompt, sp, 0)
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                             min_new_tokens=24)[0, len(prompt):].tolist()
+        assert base == ref                       # depth 0 is the verifier's own greedy decoding
+        assert len(rounds0) == 24 and all(r.drafted == 0 for r in rounds0)
+        for depth in (1, 2, 4, 8, 16):
+            out, rounds = run(spec, prompt, sp, depth)
+            assert out == base, (i, depth)
+            assert all(r.drafted == depth for r in rounds[1:])
+            assert all(0 <= r.accepted <= r.drafted for r in rounds)
+            assert all(len(r.tokens) <= r.accepted + 1 for r in rounds)
+
+
+class OracleDrafter(Eagle3Drafter):
+    """A test double with the drafter's interface that always proposes the verifier's own greedy
+    next token (read from a precomputed continuation): its output state carries the position,
+    and `logits` puts all mass on the token the verifier will pick there."""
+
+    def __init__(self, c: DraftConfig, sequence: list[int]):
+        super().__init__(c)
+        self.t2d[:] = True
+        self.sequence = sequence
+
+    def forward(self, token_ids, hidden, positions, attend=None):
+        attend(*self.qkv(token_ids, self.fuse(hidden) if hidden.shape[-1] != self.config.hidden_size
+                         else hidden, positions))  # keep the KV cache bookkeeping real
+        out = torch.zeros(*token_ids.shape, self.config.hidden_size)
+        out[..., 0] = positions.float()
+        return out
+
+    def logits(self, hidden):
+        pos = int(hidden[..., 0].flatten()[-1])
+        out = torch.full(hidden.shape[:-1] + (self.config.draft_vocab_size,), -1e4)
+        out[..., self.sequence[pos + 2]] = 0.0   # state at position t predicts token t + 2
+        return out
+
+
+def test_drafter_that_matches_the_verifier_gets_every_draft_accepted():
+    model, drafter = tiny_pair(vocab=500)
+    prompt = list(range(10, 20))
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False,
+                         min_new_tokens=60)[0].tolist()
+    oracle = OracleDrafter(drafter.config, ref).eval()
+    spec = Speculator(model, oracle)
+    for depth in (1, 4, 8):
+        out, rounds = run(spec, prompt, SamplingParams(max_tokens=40), depth)
+        assert out == ref[len(prompt):len(prompt) + 40]
+        full = [r for r in rounds[1:] if r.finish_reason is None]
+        assert full and all(r.accepted == depth and len(r.tokens) == depth + 1 for r in full)
+        assert len(rounds) == 1 + math.ceil(39 / (depth + 1))
+
+
+def exact_marginals(model, prompt, temperature, top_p, steps):
+    """The verifier's own sampling distribution of the tokens at steps 1..steps, enumerated."""
+    vocab = model.config.vocab_size
+    marg = [torch.zeros(vocab, dtype=torch.float64) for _ in range(steps)]
+    frontier = [(prompt, 1.0)]
+    for k in range(steps):
+        nxt = []
+        for seq, w in frontier:
+            with torch.no_grad():
+                logits = model(torch.tensor([seq])).logits[0, -1]
+            p = speculate.probs(logits, temperature, top_p).double()
+            marg[k] += w * p
+            nxt += [(seq + [t], w * float(p[t])) for t in range(vocab) if p[t] > 1e-9]
+        frontier = nxt
+    return marg
+
+
+def chi2(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    n = counts.sum()
+    keep = expected_p * n >= 5  # pool the rare cells into one
+    e = torch.cat([expected_p[keep] * n, (expected_p[~keep] * n).sum().view(1)])
+    o = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    e, o = e[e > 0], o[e > 0]
+    return float(((o - e) ** 2 / e).sum())
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampling_matches_the_verifier_distribution(top_p):
+    """Rejection sampling keeps the verifier's distribution: the tokens at steps 1-3 over many
+    seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
+    the drafter's own proposals (what an accept-everything bug would emit) clearly do not."""
+    vocab, n, steps, temp = 12, 1500, 3, 1.0
+    model, drafter = tiny_pair(vocab=vocab, layers=3, hidden=32, head_scale=12.0, seed=1)
+    spec = Speculator(model, drafter)
+    prompt = [1, 5, 7]
+    exact = exact_marginals(model, prompt, temp, top_p, steps)
+    counts = [torch.zeros(vocab, dtype=torch.float64) for _ in range(steps)]
+    drafted = accepted = 0
+    for seed in range(n):
+        out, rounds = run(spec, prompt, SamplingParams(max_tokens=steps, temperature=temp,
+                                                       top_p=top_p, seed=seed), 3)
+        for k, t in enumerate(out):
+            counts[k][t] += 1
+        drafted += sum(r.drafted for r in rounds)
+        accepted += sum(r.accepted for r in rounds)
+    assert 0.1 < accepted / drafted < 0.95          # both branches (accept, resample) exercised
+    critical = 45.3  # chi-square, df <= 20, p = 0.001 (fixed seeds: deterministic)
+    for k in range(steps):
+        assert chi2(counts[k], exact[k]) < critical, k
+    # power: the drafter's first proposal is a distribution far from the verifier's
+    q = torch.zeros(vocab, dtype=torch.float64)
+    for seed in range(300):
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            logits, aux = spec._verify(prompt, __import__("transformers").DynamicCache())
+            x = spec._pick(logits[-1], SamplingParams(temperature=temp, top_p=top_p), gen)
+            _, ld = spec._draft_step(prompt[1:] + [x], aux, speculate.DraftKV())
+            tok, _ = spec._propose(ld, SamplingParams(temperature=temp, top_p=top_p), gen)
+        q[tok] += 1
+    assert chi2(q, exact[1]) > 3 * critical
+
+
+def test_seed_reproducible_and_stops():
+    model, drafter = tiny_pair(vocab=500)
+    spec = Speculator(model, drafter)
+    sp = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7)
+    a, _ = run(spec, [3, 4, 5], sp, 4)
+    b, _ = run(spec, [3, 4, 5], sp, 4)
+    assert a == b and len(a) == 20
+    greedy, _ = run(spec, [3, 4, 5], SamplingParams(max_tokens=20), 4)
+    eos = greedy[6]
+    first = greedy.index(eos)
+    out, rounds = run(spec, [3, 4, 5], SamplingParams(max_tokens=20, eos_ids=(eos,)), 4)
+    assert out == greedy[:first] and rounds[-1].finish_reason == "stop"
+    out, rounds = run(spec, [3, 4, 5], SamplingParams(max_tokens=5), 8)
+    assert out == greedy[:5] and rounds[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens"):
+        run(spec, [3], SamplingParams(max_tokens=0), 0)
+    with pytest.raises(ValueError, match="drafter"):
+        run(Speculator(model), [3], SamplingParams(), 2)
+
+
+def test_dynamic_depth_callable_keeps_output():
+    model, drafter = tiny_pair(vocab=500)
+    spec = Speculator(model, drafter)
+    base, _ = run(spec, [9, 8, 7], SamplingParams(max_tokens=30), 0)
+    depths = iter([0, 3, 0, 0, 5, 1] + [2] * 40)
+    out, rounds = run(spec, [9, 8, 7], SamplingParams(max_tokens=30), lambda h: next(depths))
+    assert out == base
+    assert [r.drafted for r in rounds[1:7]] == [0, 3, 0, 0, 5, 1]
+
+
+def test_text_stream_stop_strings_and_partial_holdback(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ids = tok.encode("Hello world. STOP here", add_special_tokens=False)
+    s = speculate.TextStream(tok, stop=["STOP"])
+    text = "".join(s.push([i]) for i in ids)
+    assert s.stopped and text == "Hello world. "
+    s = speculate.TextStream(tok, stop=["xyz"])
+    text = "".join(s.push([i]) for i in ids) + s.push([], final=True)
+    assert not s.stopped and text == "Hello world. STOP here"
