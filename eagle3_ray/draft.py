@@ -262,7 +262,8 @@ class Eagle3Drafter(nn.Module):
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fuse(hidden)                                     # [B, S, H]
         q, k, v = self.qkv(token_ids, hidden, positions)
-        return self.finish(hidden, (attend or causal_attention)(q, k, v))
+        attend = causal_attention if attend is None else attend  # (an empty KV cache is falsy)
+        return self.finish(hidden, attend(q, k, v))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

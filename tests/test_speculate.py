@@ -197,3 +197,31 @@ def test_text_stream_stop_strings_and_partial_holdback(tiny_tokenizer):
     s = speculate.TextStream(tok, stop=["xyz"])
     text = "".join(s.push([i]) for i in ids) + s.push([], final=True)
     assert not s.stopped and text == "Hello world. STOP here"
+
+
+def test_cached_drafts_equal_the_drafters_full_sequence_predictions():
+    """Each round's first draft (KV-cached drafter, absorbing only the new tokens) equals the
+    drafter's prediction from one causal pass over the whole final sequence with the
+    verifier's aux states — what training's step 0 computes."""
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300, seed=3)
+    spec = Speculator(model, drafter)
+    seen = []                                          # (verifier cache length n, [x, d1, ..])
+    verify = spec._verify
+
+    def spy(ids, cache):
+        seen.append((cache.get_seq_length(), list(ids)))
+        return verify(ids, cache)
+    spec._verify = spy
+    prompt = list(range(30, 45))
+    out, _ = run(spec, prompt, SamplingParams(max_tokens=30), 1)
+    seq = prompt + out
+    with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
+            model, spec.layer_ids) as got:
+        model(torch.tensor([seq]))
+        aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, S, 3H]
+        hidden = drafter(torch.tensor([seq[1:] + [0]]), aux, torch.arange(len(seq))[None])
+        pred = drafter.draft_to_target(drafter.logits(hidden)[0].argmax(-1))  # t -> token t+2
+    rounds = seen[1:]                                  # after the prefill
+    assert len(rounds) >= 10
+    for n, ids in rounds:                              # x at position n, d1 predicts n + 1
+        assert ids[1] == int(pred[n - 1]), (n, ids)
