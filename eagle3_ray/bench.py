@@ -368,10 +368,9 @@ def heldout_prompts(tok, n: int, skip: int = 5000, max_prompt: int = 256) -> lis
         turn = next((m for m in messages if m["role"] == "user"), None)
         if not turn:
             continue
-        text = tok.apply_chat_template([turn], tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ids = data.prompt_ids(tok, [turn])
         if 8 <= len(ids) <= max_prompt:
-            out.append(list(ids))
+            out.append(ids)
         if len(out) == n:
             return out
     return out
@@ -400,10 +399,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())
-    eos = tuple({tok.eos_token_id, *(model.generation_config.eos_token_id
-                                      if isinstance(model.generation_config.eos_token_id, list)
-                                      else [model.generation_config.eos_token_id])} - {None})
-    sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=eos)
+    sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = heldout_prompts(tok, prompts)
     runs = {d: {"tokens": 0, "wall_s": 0.0, "rounds": 0, "accepted": 0, "verify_s": 0.0,
                 "draft_s": 0.0, "outputs": []} for d in depths}

@@ -245,6 +245,13 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` + the assistant generation prompt, rendered with the chat template
+    and tokenized as tokenize_conversation does (no extra special tokens)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int):
     """-> (input_ids, loss_mask) as int lists, truncated to max_length; SkipRecord if unusable.
 

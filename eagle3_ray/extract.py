@@ -211,9 +211,7 @@ class VerifierExtractor:
                     jobs.append((c, idx[turn]))
             if not jobs:
                 break
-            prompts = [self.tok.apply_chat_template(convs[c][:i], add_generation_prompt=True,
-                                                    tokenize=False) for c, i in jobs]
-            enc = [self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            enc = [data.prompt_ids(self.tok, convs[c][:i]) for c, i in jobs]
             room = [cfg.max_length - len(e) for e in enc]
             for (c, i), r in zip(jobs, room):
                 if r <= 0:  # no room left: the conversation ends before this turn

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 
-from eagle3_ray import speculate, verifier as verifier_lib
+from eagle3_ray import data, speculate, verifier as verifier_lib
 
 log = logging.getLogger("ray.serve")
 
@@ -257,9 +257,7 @@ class Engine:
             drafter = drafter.to(device=p.device, dtype=p.dtype)
         self.spec = speculate.Speculator(model, drafter)
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_ids = tuple(sorted({*eos, self.tok.eos_token_id} - {None}))
+        self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         if self.ttt_steps and cfg.depth > self.ttt_steps:
             log.warning(f"default depth {cfg.depth} > the drafter's trained ttt_steps "
                         f"{self.ttt_steps}: positions past it are extrapolation")
@@ -279,11 +277,9 @@ class Engine:
                                    f"messages.{i}")
                 messages.append({"role": m["role"], "content": content})
             try:
-                text = self.tok.apply_chat_template(messages, tokenize=False,
-                                                    add_generation_prompt=True)
+                ids = data.prompt_ids(self.tok, messages)
             except Exception as e:
                 raise ApiError(400, f"messages do not fit the chat template: {e}", "messages")
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
         else:
             prompt = req.prompt
             if isinstance(prompt, list):

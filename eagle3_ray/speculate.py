@@ -272,7 +272,7 @@ class TextStream:
 
 
 def main(argv=None):
-    from eagle3_ray import draft
+    from eagle3_ray import data, draft
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--verifier", default=verifier_lib.EMBEDDED_VERIFIER)
     p.add_argument("--drafter", help="a trained drafter dir (default: an untrained one)")
@@ -287,12 +287,10 @@ def main(argv=None):
     else:
         drafter = draft.untrained_drafter(a.verifier)[0]
     spec = Speculator(model, drafter.eval())
-    prompt = tok.apply_chat_template([{"role": "user", "content": a.prompt}],
-                                     add_generation_prompt=True)
-    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+    prompt = data.prompt_ids(tok, [{"role": "user", "content": a.prompt}])
     for depth in (0, a.depth):
         t0, out, rounds = time.perf_counter(), [], 0
-        sp = SamplingParams(max_tokens=a.max_tokens, eos_ids=(tok.eos_token_id,))
+        sp = SamplingParams(max_tokens=a.max_tokens, eos_ids=verifier_lib.eos_ids(model, tok))
         for r in spec.generate(prompt, sp, depth):
             out += r.tokens
             rounds += 1

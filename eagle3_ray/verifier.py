@@ -114,6 +114,13 @@ def load_verifier(spec: str, dtype: torch.dtype | None = None, num_gpus: int = 0
     return model
 
 
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every token that ends a reply: the generation config's EOS id(s) and the tokenizer's."""
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return tuple(sorted({*eos, tokenizer.eos_token_id} - {None}))
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     return model.base_model.layers
 
