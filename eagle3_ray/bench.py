@@ -355,7 +355,7 @@ def _plot_quality(result: dict, path: str) -> None:
 #
 #     eagle3-ray bench serve --drafter runs/bench/quality/ttt4/drafter --prompts 4 --max-tokens 32
 
-SERVE_DEPTHS = (0, 1, 2, 4, 8, 12, 16)
+SERVE_DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def heldout_prompts(tok, n: int, skip: int = 5000, max_prompt: int = 256) -> list[list[int]]:
@@ -388,10 +388,17 @@ def best_quality_drafter(out_dir: str = "runs/bench", depth: int = 8) -> str:
 
 def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: int = 8,
                 max_tokens: int = 64, out_dir: str = "runs/bench",
-                spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0) -> dict:
-    """Greedy tokens/s and acceptance length per depth, speedup over depth 0, and whether every
-    depth's output equals depth 0's. Writes <out_dir>/serve.json and serve.png."""
-    from eagle3_ray import speculate
+                spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0,
+                simulate: str | None = None, dynamic: bool = True) -> dict:
+    """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
+    depth's output equals depth 0's, and the planner's prediction for each depth next to the
+    measurement: this machine's verify/draft times are measured first (planner.
+    measure_speculator), acceptance per position is counted over the runs. simulate: a node
+    profile whose all-reduce time every verify also sleeps (a SIMULATION of that node's
+    interconnect). dynamic: also a run with per-request dynamic depth (planner.DynamicDepth).
+    Writes <out_dir>/serve.json + serve.png (serve-sim-<profile>.* when simulating)."""
+    import functools
+    from eagle3_ray import planner, speculate
     from eagle3_ray.train import load_trained_drafter
     if threads:
         torch.set_num_threads(threads)
@@ -399,15 +406,27 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())
+    max_depth = max(depths)
+    verify_ms, draft_ms = planner.measure_speculator(dec, max_depth + 1, reps=7)
+    profile = planner.single_device_profile("this machine", verify_ms, draft_ms, model.config,
+                                            model.dtype)
+    if simulate:
+        node = planner.load_profile(simulate)
+        profile = planner.with_interconnect(profile, node)
+        dec.simulated_comm = functools.partial(planner.comm_s, node)
+    prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = heldout_prompts(tok, prompts)
-    runs = {d: {"tokens": 0, "wall_s": 0.0, "rounds": 0, "accepted": 0, "verify_s": 0.0,
-                "draft_s": 0.0, "outputs": []} for d in depths}
+    names = list(depths) + (["dynamic"] if dynamic else [])
+    runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
+                "drafted": 0, "verify_s": 0.0, "draft_s": 0.0, "outputs": [],
+                "drafted_at": [0] * max_depth, "accepted_at": [0] * max_depth} for d in names}
     for i, prompt in enumerate([ps[0]] + ps):            # the first prompt once more as warm-up
-        order = list(depths[i % len(depths):]) + list(depths[:i % len(depths)])
+        order = names[i % len(names):] + names[:i % len(names)]
         for d in order:
+            depth = planner.DynamicDepth(profile, prior, max_depth) if d == "dynamic" else d
             t0, out, rounds = time.perf_counter(), [], []
-            for r in dec.generate(prompt, sp, d):
+            for r in dec.generate(prompt, sp, depth):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -416,39 +435,81 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
             s = runs[d]
             s["tokens"] += len(out)
             s["wall_s"] += wall
+            s["prefill_s"] += rounds[0].verify_s
             s["rounds"] += len(rounds) - 1                 # verify rounds after the prefill
-            s["accepted"] += sum(r.accepted for r in rounds)
-            s["verify_s"] += sum(r.verify_s for r in rounds[1:])
-            s["draft_s"] += sum(r.draft_s for r in rounds[1:])
             s["outputs"].append(out)
+            for r in rounds[1:]:
+                s["accepted"] += r.accepted
+                s["drafted"] += r.drafted
+                s["verify_s"] += r.verify_s
+                s["draft_s"] += r.draft_s
+                for k in range(r.drafted):
+                    s["drafted_at"][k] += 1
+                    s["accepted_at"][k] += k < r.accepted
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
+    # acceptance per position over all fixed-depth runs (greedy: it does not depend on depth)
+    fixed = [runs[d] for d in depths]
+    cond = planner.cond_from_counts(
+        [sum(s["drafted_at"][k] for s in fixed) for k in range(max_depth)],
+        [sum(s["accepted_at"][k] for s in fixed) for k in range(max_depth)])
+    pred = planner.plan(cond, profile, max_depth=max_depth)
     base = runs[depths[0]]
     result_runs = {}
     for d, s in runs.items():
-        result_runs[str(d)] = {
-            "depth": d, "tokens": s["tokens"], "wall_s": s["wall_s"],
-            "tokens_per_s": s["tokens"] / s["wall_s"],
-            "speedup": (s["tokens"] / s["wall_s"]) / (base["tokens"] / base["wall_s"]),
-            "acceptance_length": (s["accepted"] + s["rounds"]) / max(1, s["rounds"]),
-            "verify_s_per_round": s["verify_s"] / max(1, s["rounds"]),
-            "draft_s_per_round": s["draft_s"] / max(1, s["rounds"]),
-            "identical_to_depth0": s["outputs"] == base["outputs"],
-            "mismatched_prompts": [j for j, (a, b) in enumerate(zip(s["outputs"], base["outputs"]))
-                                   if a != b]}
-    best = max(result_runs.values(), key=lambda r: r["tokens_per_s"])
+        decode = (s["tokens"] - len(ps)) / (s["wall_s"] - s["prefill_s"])  # tokens after the first
+        row = {"depth": d, "tokens": s["tokens"], "wall_s": s["wall_s"],
+               "tokens_per_s": s["tokens"] / s["wall_s"],
+               "speedup": (s["tokens"] / s["wall_s"]) / (base["tokens"] / base["wall_s"]),
+               "decode_tokens_per_s": decode,
+               "acceptance_length": (s["accepted"] + s["rounds"]) / max(1, s["rounds"]),
+               "mean_depth": s["drafted"] / max(1, s["rounds"]), "rounds": s["rounds"],
+               "verify_s_per_round": s["verify_s"] / max(1, s["rounds"]),
+               "draft_s_per_round": s["draft_s"] / max(1, s["rounds"]),
+               "drafted_per_position": s["drafted_at"], "accepted_per_position": s["accepted_at"],
+               "identical_to_depth0": s["outputs"] == base["outputs"],
+               "mismatched_prompts": [j for j, (a, b) in enumerate(zip(s["outputs"],
+                                                                       base["outputs"])) if a != b]}
+        if d != "dynamic":
+            p = pred["depths"][d]
+            row.update(predicted_tokens_per_s=p["tokens_per_s"],
+                       predicted_acceptance_length=p["accept_len"],
+                       predicted_error=p["tokens_per_s"] / decode - 1)
+        result_runs[str(d)] = row
+    measured = sorted(depths, key=lambda d: -result_runs[str(d)]["decode_tokens_per_s"])
+    chosen = max(depths, key=lambda d: pred["depths"][d]["tokens_per_s"])   # among those run
+    best = result_runs[str(measured[0])]
     result = {"bench": "serve", "verifier": spec, "drafter": drafter_dir,
               "drafter_ttt_steps": meta.get("ttt_steps"), "prompts": len(ps),
               "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
+              "dtype": str(model.dtype).replace("torch.", ""),
+              "simulated_interconnect": simulate,
               "runs": result_runs, "best_depth": best["depth"], "best_speedup": best["speedup"],
               "all_identical": all(r["identical_to_depth0"] for r in result_runs.values()),
+              "planner": {"chosen_depth": chosen, "two_fastest_measured": measured[:2],
+                          "chosen_among_two_fastest": chosen in measured[:2],
+                          "max_abs_error": max(abs(result_runs[str(d)]["predicted_error"])
+                                               for d in depths),
+                          "cond_acc": cond, "profile": planner.profile_to_dict(profile),
+                          "why": pred["why"]},
               "note": "greedy; one process, the server's decoder (speculate.Speculator) without "
                       "HTTP; depths interleaved per prompt; speedup = tokens/s over depth 0's "
-                      "in the same run; acceptance_length = tokens per verify round."}
-    save_result(out_dir, "serve", result, _plot_serve)
+                      "in the same run; acceptance_length = tokens per verify round; "
+                      "decode_tokens_per_s leaves out each prompt's prefill (what the planner "
+                      "predicts); prediction = planner.plan(acceptance counted here, this "
+                      "machine's measured verify/draft times"
+                      + (f" + the SIMULATED interconnect of {simulate})" if simulate else ")")}
+    if dynamic:
+        d = result_runs["dynamic"]
+        d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+    name = f"serve-sim-{planner.load_profile(simulate).name}" if simulate else "serve"
+    save_result(out_dir, name, result, _plot_serve)
     for r in result_runs.values():
-        print(f"[bench] serve depth {r['depth']:2d}: {r['tokens_per_s']:.1f} tok/s, "
-              f"x{r['speedup']:.2f}, tau {r['acceptance_length']:.2f}, "
-              f"identical {r['identical_to_depth0']}")
+        extra = (f", predicted {r['predicted_tokens_per_s']:.1f} ({r['predicted_error']:+.0%})"
+                 if "predicted_tokens_per_s" in r else f", mean depth {r['mean_depth']:.2f}")
+        print(f"[bench] serve depth {r['depth']!s:>7}: {r['tokens_per_s']:.1f} tok/s, "
+              f"x{r['speedup']:.2f}, tau {r['acceptance_length']:.2f}, decode "
+              f"{r['decode_tokens_per_s']:.1f} tok/s{extra}, identical {r['identical_to_depth0']}")
+    print(f"[bench] planner chose depth {chosen}; fastest measured {measured[:2]}")
     return result
 
 
@@ -456,18 +517,29 @@ def _plot_serve(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    runs = sorted(result["runs"].values(), key=lambda r: r["depth"])
+    runs = sorted((r for r in result["runs"].values() if r["depth"] != "dynamic"),
+                  key=lambda r: r["depth"])
     ds = [r["depth"] for r in runs]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a1.plot(ds, [r["speedup"] for r in runs], "o-", color="#37a")
-    a1.axhline(1.0, color="gray", lw=0.8)
-    a1.set_xlabel("speculation depth"), a1.set_ylabel("speedup over depth 0")
-    a1.set_title(f"tokens/s, depth 0 = {runs[0]['tokens_per_s']:.1f}")
-    a2.plot(ds, [r["acceptance_length"] for r in runs], "o-", color="#a52")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    a1.plot(ds, [r["decode_tokens_per_s"] for r in runs], "o-", color="#37a", label="measured")
+    a1.plot(ds, [r["predicted_tokens_per_s"] for r in runs], "s--", color="#e83",
+            label="predicted (planner)")
+    dyn = result["runs"].get("dynamic")
+    if dyn:
+        a1.axhline(dyn["decode_tokens_per_s"], color="#3a5", ls=":",
+                   label=f"dynamic depth (mean {dyn['mean_depth']:.1f})")
+    sim = result.get("simulated_interconnect")
+    a1.set_xlabel("speculation depth"), a1.set_ylabel("decode tokens/s")
+    a1.set_title(f"{'SIMULATED ' + sim if sim else 'this machine'}: planner chose depth "
+                 f"{result['planner']['chosen_depth']}", fontsize=9)
+    a2.plot(ds, [r["acceptance_length"] for r in runs], "o-", color="#a52", label="measured")
+    a2.plot(ds, [r["predicted_acceptance_length"] for r in runs], "s--", color="#e83",
+            label="from per-position acceptance")
     a2.set_xlabel("speculation depth"), a2.set_ylabel("tokens per verify round")
-    a2.set_title(f"drafter ttt_steps={result['drafter_ttt_steps']}")
+    a2.set_title(f"drafter ttt_steps={result['drafter_ttt_steps']}; outputs identical: "
+                 f"{result['all_identical']}", fontsize=9)
     for a in (a1, a2):
-        a.set_xticks(ds), a.grid(alpha=0.3)
+        a.set_xticks(ds), a.grid(alpha=0.3), a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""The `eagle3-ray` command: extract, train, export, demo, bench.
+"""The `eagle3-ray` command: extract, train, export, demo, bench, profile, plan.
 
     eagle3-ray demo                                   # the embedded default end to end
     eagle3-ray extract --inputs embedded:sharegpt --limit 16 --max-length 256 --output /tmp/hs
@@ -6,6 +6,8 @@
     eagle3-ray export --drafter /tmp/tr/drafter --format vllm --output /tmp/tr/vllm
     eagle3-ray serve --drafter /tmp/tr/drafter --depth 4   # OpenAI API on Ray Serve, prints URL
     eagle3-ray bench extract --samples 32             # pipeline vs plain forward loop, JSON+PNG
+    eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml  # measure this machine -> node profile
+    eagle3-ray plan --acceptance runs/bench/quality.json --profile pcie-8x-rtx-pro-6000-kimi-k2.5
 """
 from __future__ import annotations
 
@@ -105,6 +107,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="eagle3-ray", help="the OpenAI model id")
     p.add_argument("--depth", type=int, default=4, help="default speculation depth")
     p.add_argument("--max-depth", type=int, default=16, help="bound of per-request depth")
+    p.add_argument("--dynamic-depth", action="store_true", help="requests without "
+                   "speculation_depth get each round's depth from their acceptance (planner)")
+    p.add_argument("--profile", help="node profile for --dynamic-depth (default: measured at "
+                   "start)")
+    p.add_argument("--simulate-interconnect", metavar="PROFILE", help="SIMULATION: add this node "
+                   "profile's all-reduce time to every verify")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
     p.add_argument("--gpus-per-replica", type=float, default=0)
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
@@ -129,6 +137,8 @@ def serve_config(a: argparse.Namespace):
     return ServeConfig(
         verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
         depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
+        dynamic_depth=a.dynamic_depth, profile=a.profile,
+        simulate_interconnect=a.simulate_interconnect,
         gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
         node_resource=a.node_resource, num_replicas=a.num_replicas,
         autoscaling=json.loads(a.autoscaling) if a.autoscaling else None,
@@ -173,6 +183,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="conversations (extract: 128, quality: 1200) / prompts (serve: 8)")
     p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best)")
     p.add_argument("--max-tokens", type=int, default=64, help="serve: tokens per prompt")
+    p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
+                   "profile's all-reduce time in every verify (a SIMULATED interconnect)")
+    p.add_argument("--no-dynamic", action="store_true", help="serve: skip the dynamic-depth run")
     p.add_argument("--minutes", type=float, default=10.0, help="quality: training budget each")
     p.add_argument("--fresh", action="store_true", help="quality: redo extraction and training")
     p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8], help="quality: ttt_steps each")
@@ -190,7 +203,8 @@ def cmd_bench(a):
         return
     if a.what == "serve":  # the server's decoder in-process, no Ray
         bench.bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8,
-                          max_tokens=a.max_tokens, out_dir=a.out)
+                          max_tokens=a.max_tokens, out_dir=a.out, simulate=a.simulate,
+                          dynamic=not a.no_dynamic)
         return
     init_ray(a.address)
     if a.what == "extract":
@@ -200,6 +214,48 @@ def cmd_bench(a):
         bench.bench_quality(conversations=a.samples or 1200, max_length=a.max_length,
                             minutes=a.minutes, out_dir=a.out, fresh=a.fresh,
                             ttt_list=tuple(a.ttt), ttt_ramp=a.ttt_ramp)
+
+
+def cmd_profile(a):
+    from eagle3_ray import planner
+    prof = planner.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
+                                   context=a.context, reps=a.reps, name=a.name)
+    planner.save_profile(prof, a.out)
+    ms = prof.verify_ms
+    print(f"[profile] verify {ms[1]:.2f} ms (1 token) .. {ms[max(ms)]:.2f} ms ({max(ms)} tokens), "
+          f"draft step {prof.draft_step_ms:.2f} ms, {prof.gpus} GPU(s) -> {a.out}")
+
+
+def cmd_plan(a):
+    import json
+    from eagle3_ray import planner
+    cond, known, desc = planner.acceptance_from(a.acceptance, a.ttt)
+    costs = planner.train_costs_from(a.bench_train) if a.bench_train else None
+    result = planner.plan(cond, planner.load_profile(a.profile), a.max_depth, known, costs)
+    result["acceptance"]["source"] = desc
+    other = None
+    if a.compare:
+        other = planner.plan(cond, planner.load_profile(a.compare), a.max_depth, known, costs)
+        result["compare"] = other
+        result["comparison"] = planner.compare_text(result, other)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "plan.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    planner.plot_plan(result, os.path.join(a.out, "plan.png"), other)
+    print(f"[plan] acceptance: {desc}; measured positions 0..{known - 1}")
+    print(planner.format_table(result, other))
+    for r in [result] + ([other] if other else []):
+        print(f"[plan] {r['profile']}: best depth {r['best_depth']} "
+              f"(x{r['best']['speedup']:.2f}, {r['best']['tokens_per_s']:.1f} tok/s); "
+              f"train with ttt_steps={r['ttt_steps']}"
+              + (f" ({r['ttt_steps_relative_cost']:.2f}x the step time of ttt_steps="
+                 f"{r['train_relative_to']})" if "ttt_steps_step_s" in r else ""))
+        for w in r["warnings"]:
+            print(f"[plan] warning: {w}")
+    print(f"[plan] why: {result['why']}")
+    if other:
+        print(f"[plan] {result['comparison']}")
+    print(f"[plan] -> {a.out}/plan.json, {a.out}/plan.png")
 
 
 def main(argv=None) -> int:
@@ -240,6 +296,28 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")
     add_bench_args(b)
     b.set_defaults(fn=cmd_bench)
+
+    f = sub.add_parser("profile", help="measure this machine's verify/draft times -> node profile")
+    f.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
+    f.add_argument("--drafter", help="a trained drafter dir (default: an untrained one)")
+    f.add_argument("--out", default="runs/profile.yaml", help="profile YAML to write")
+    f.add_argument("--max-tokens", type=int, default=33, help="verify 1..N tokens")
+    f.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
+    f.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    f.add_argument("--name", help="profile name (default: measured-<host>)")
+    f.set_defaults(fn=cmd_profile)
+
+    n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node (JSON + PNG)")
+    n.add_argument("--acceptance", required=True,
+                   help="training run dir, bench quality/serve JSON, http(s) URL of a server, "
+                        "or a list like 0.8,0.75,0.7")
+    n.add_argument("--profile", required=True, help="packaged profile name or YAML path")
+    n.add_argument("--compare", help="a second profile, planned alongside")
+    n.add_argument("--max-depth", type=int, default=32)
+    n.add_argument("--bench-train", help="bench train JSON: step time per ttt_steps")
+    n.add_argument("--ttt", type=int, help="bench quality JSON: the drafter with this ttt_steps")
+    n.add_argument("--out", default="runs/plan")
+    n.set_defaults(fn=cmd_plan)
 
     a = p.parse_args(argv)
     return run_main(a.fn, a)

@@ -283,17 +283,19 @@ class Teacher(nn.Module):
         self.eps, self.chunk_size = eps, chunk_size
 
     @torch.no_grad()
-    def forward(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, last_hidden: torch.Tensor,
+                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """last_hidden [N, H] (pre-final-norm) -> p [N, Vd] fp32 (or fp64), in_draft [N] bool.
         The full-vocab argmax is in the draft vocab iff the best draft logit >= the best of the
         other rows (a tie counts as inside), so the [N, V] logits are never held, only
-        [chunk, V-Vd] at a time. Runs in the buffers' dtype, outside any autocast."""
+        [chunk, V-Vd] at a time. check=False skips that (in_draft all True): the caller knows
+        the verifier's argmax from the dataset. Runs in the buffers' dtype, outside autocast."""
         dtype = self.head_draft.dtype
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         ps, inside = [], []
         with torch.autocast(last_hidden.device.type, enabled=False):  # the teacher's own dtype
             for x in last_hidden.split(self.chunk_size):
-                ps_x, inside_x = self._chunk(x.to(dtype), out_dtype)
+                ps_x, inside_x = self._chunk(x.to(dtype), out_dtype, check)
                 ps.append(ps_x)
                 inside.append(inside_x)
         if not ps:
@@ -302,11 +304,11 @@ class Teacher(nn.Module):
                 torch.zeros(0, dtype=torch.bool, device=last_hidden.device)
         return torch.cat(ps), torch.cat(inside)  # [N, Vd], [N]
 
-    def _chunk(self, x: torch.Tensor, out_dtype: torch.dtype):
+    def _chunk(self, x: torch.Tensor, out_dtype: torch.dtype, check: bool):
         x = rms_norm(x, self.norm_weight, self.eps)                               # [n, H]
         draft = (x @ self.head_draft.T).to(out_dtype)                             # [n, Vd]
         best = draft.max(-1).values                                               # [n]
-        if len(self.head_rest):
+        if check and len(self.head_rest):
             best_rest = (x @ self.head_rest.T).to(out_dtype).max(-1).values       # [n]
         else:
             best_rest = torch.full_like(best, float("-inf"))

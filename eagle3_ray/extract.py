@@ -147,7 +147,7 @@ class VerifierExtractor:
             rows = [r for r in rows if not r["skip_reason"]]
         out, files, stats = self._empty_part(), [], collections.Counter()
         for group in pack_by_token_budget([len(r["input_ids"]) for r in rows], self.cfg.token_budget):
-            aux, last = self._forward([rows[i]["input_ids"] for i in group])
+            aux, last, greedy = self._forward([rows[i]["input_ids"] for i in group])
             for j, i in enumerate(group):
                 n = len(rows[i]["input_ids"])
                 out["sample_id"].append(rows[i]["sample_id"])
@@ -156,6 +156,7 @@ class VerifierExtractor:
                 out["num_tokens"].append(n)
                 out["aux_hidden_states"].append(schema.encode_bf16(aux[j, :n]))    # [S, 3, H]
                 out["last_hidden_states"].append(schema.encode_bf16(last[j, :n]))  # [S, H]
+                out["target_ids"].append(greedy[j, :n].tolist())                   # [S]
                 stats["bytes"] += 8 * n * aux.shape[-1]
             if stats["bytes"] >= self.cfg.part_bytes:  # bound memory: flush a part
                 files.append(self._write(out, stats))
@@ -193,9 +194,10 @@ class VerifierExtractor:
         for i, x in enumerate(seqs):
             ids[i, :len(x)] = torch.tensor(x)
             mask[i, :len(x)] = 1
-        aux, last = verifier.forward_hidden(self.model, ids.to(self.device), mask.to(self.device),
-                                            self.facts["aux_layer_ids"])
-        return aux.to(torch.bfloat16).cpu(), last.to(torch.bfloat16).cpu()  # [B,S,3,H], [B,S,H]
+        aux, last, greedy = verifier.forward_hidden(self.model, ids.to(self.device),
+                                                    mask.to(self.device), self.facts["aux_layer_ids"])
+        # [B, S, 3, H], [B, S, H], [B, S]
+        return aux.to(torch.bfloat16).cpu(), last.to(torch.bfloat16).cpu(), greedy.cpu()
 
     def _regenerate(self, rows: list[dict], skipped: collections.Counter) -> list[dict]:
         """Replace every assistant turn by the verifier's own answer, turn by turn, batched

@@ -10,8 +10,11 @@ A dataset is a directory (local path or any URI pyarrow's filesystems take) hold
     aux_hidden_states  large_binary    bf16 [S, 3, H], token-major: inputs of the 3 aux layers
     last_hidden_states large_binary    bf16 [S, H]: output of the last decoder layer, *before*
                                         the final norm; the teacher is lm_head(norm(h))
+    target_ids         list<int32>     [S] the verifier's greedy next token at each position
+                                        (full-vocab argmax; format 2, absent in format 1)
 
-That is 8·H bytes per token of hidden states, the floor for lossless bf16, in plain Arrow types
+That is 8·H bytes per token of hidden states (+4 for target_ids, which spares the trainer the
+full-vocab lm_head: its teacher needs only the draft-vocab rows), the floor for lossless bf16, in plain Arrow types
 any Parquet reader understands. Dataset-level facts (verifier, layer ids and their convention,
 dtype, chat template hash, ...) sit in each file's key-value metadata under b"eagle3_ray" and in
 manifest.json, which also holds the extraction summary.
@@ -32,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 
 FORMAT = "eagle3_ray.hidden_states"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                # 2 added target_ids; format 1 datasets still train
 METADATA_KEY = b"eagle3_ray"
 MANIFEST = "manifest.json"
 # vLLM convention: aux layer id i is the hidden state at the *input* of decoder layer i
@@ -46,6 +49,7 @@ SCHEMA = pa.schema([
     ("num_tokens", pa.int32()),
     ("aux_hidden_states", pa.large_binary()),
     ("last_hidden_states", pa.large_binary()),
+    ("target_ids", pa.list_(pa.int32())),
 ])
 
 # Facts that must agree between every file of a dataset and between a dataset and its verifier.
@@ -76,12 +80,15 @@ def decode_bf16(buf: bytes, shape: tuple[int, ...]) -> torch.Tensor:
 def decode_row(row: dict, hidden_size: int) -> dict[str, torch.Tensor]:
     """One dataset row (as from pyarrow to_pylist / Ray Data) -> tensors for training."""
     s = int(row["num_tokens"])
-    return {
+    out = {
         "input_ids": torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64)),     # [S]
         "loss_mask": torch.as_tensor(np.asarray(row["loss_mask"], dtype=np.uint8)),     # [S]
         "aux_hidden_states": decode_bf16(row["aux_hidden_states"], (s, 3, hidden_size)),  # [S,3,H]
         "last_hidden_states": decode_bf16(row["last_hidden_states"], (s, hidden_size)),  # [S, H]
     }
+    if row.get("target_ids") is not None:                                       # format >= 2
+        out["target_ids"] = torch.as_tensor(np.asarray(row["target_ids"], dtype=np.int64))  # [S]
+    return out
 
 
 # --- filesystem helpers ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ requests interleave round by round (no cross-request batching in the built-in en
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 
-from eagle3_ray import data, speculate, verifier as verifier_lib
+from eagle3_ray import data, planner, speculate, verifier as verifier_lib
 
 log = logging.getLogger("ray.serve")
 
@@ -46,6 +47,12 @@ class ServeConfig:
     model_name: str = "eagle3-ray"        # the OpenAI "model" id clients send
     depth: int = 4                        # default speculation depth (0 = plain decoding)
     max_depth: int = 16                   # bound of the per-request `speculation_depth`
+    dynamic_depth: bool = False           # requests without speculation_depth: each round's
+                                          # depth from their acceptance so far (planner)
+    profile: str | None = None            # node profile dynamic depth plans with (name/path);
+                                          # None = measured on the replica at start
+    simulate_interconnect: str | None = None  # SIMULATION: a node profile whose all-reduce
+                                          # time is added to every verify (planner.comm_s)
     engine: str = "builtin"               # builtin (transformers + speculate.py) | vllm
     gpus_per_replica: float = 0           # GPUs per replica; the verifier is sharded over them
     cpus_per_replica: float = 1.0
@@ -232,6 +239,36 @@ def check_drafter(cfg: ServeConfig, vcfg) -> dict:
     return meta
 
 
+def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
+    """The simulated interconnect (if asked) goes onto the Speculator; for dynamic depth, the
+    node profile it plans with and the drafter's trained acceptance as the prior -> (profile,
+    prior), or (None, None) when the depth is fixed."""
+    node = planner.load_profile(cfg.simulate_interconnect) if cfg.simulate_interconnect else None
+    if node:
+        spec.simulated_comm = functools.partial(planner.comm_s, node)
+        log.warning(f"SIMULATION: every verify sleeps the all-reduce time of {node.name} "
+                    f"({planner.comm_s(node, 1) * 1e3:.2f} ms for one token)")
+    if not cfg.dynamic_depth:
+        return None, None
+    if not spec.drafter:
+        raise ValueError("dynamic_depth needs a drafter (--drafter)")
+    if cfg.profile:
+        profile = planner.load_profile(cfg.profile)
+    else:   # measured here, on this replica's verifier and drafter
+        verify_ms, draft_ms = planner.measure_speculator(spec, cfg.max_depth + 1, reps=3)
+        profile = planner.single_device_profile("this replica", verify_ms, draft_ms,
+                                                spec.model.config)
+    if node:
+        profile = planner.with_interconnect(profile, node)
+    try:
+        prior = planner.acceptance_from(cfg.drafter)[0]
+    except ValueError:
+        prior = [0.5]
+        log.warning(f"{cfg.drafter}: no held-out acceptance in its metadata; dynamic depth "
+                    f"starts from a prior of 0.5 per position")
+    return profile, prior
+
+
 class Engine:
     """Tokenizer + verifier + drafter + Speculator; turns validated requests into rounds."""
 
@@ -253,11 +290,10 @@ class Engine:
         if cfg.drafter:
             from eagle3_ray.train import load_trained_drafter
             drafter = load_trained_drafter(cfg.drafter, cfg.verifier)[0]
-            p = next(model.parameters())
-            drafter = drafter.to(device=p.device, dtype=p.dtype)
         self.spec = speculate.Speculator(model, drafter)
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
+        self.depth_profile, self.prior = depth_planning(cfg, self.spec)
         if self.ttt_steps and cfg.depth > self.ttt_steps:
             log.warning(f"default depth {cfg.depth} > the drafter's trained ttt_steps "
                         f"{self.ttt_steps}: positions past it are extrapolation")
@@ -318,33 +354,41 @@ class Engine:
             raise ApiError(400, f"this model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {n_prompt} and max_tokens is "
                                 f"{max_tokens}", "max_tokens", code="context_length_exceeded")
-        depth = self.cfg.depth if req.speculation_depth is None else req.speculation_depth
-        if not 0 <= depth <= self.cfg.max_depth or (depth and not self.spec.drafter):
-            raise ApiError(400, f"speculation_depth must be in [0, "
-                                f"{self.cfg.max_depth if self.spec.drafter else 0}], got {depth}",
-                           "speculation_depth")
+        if req.speculation_depth is None and self.cfg.dynamic_depth:
+            depth = planner.DynamicDepth(self.depth_profile, self.prior, self.cfg.max_depth)
+        else:
+            depth = self.cfg.depth if req.speculation_depth is None else req.speculation_depth
+            if not 0 <= depth <= self.cfg.max_depth or (depth and not self.spec.drafter):
+                raise ApiError(400, f"speculation_depth must be in [0, "
+                                    f"{self.cfg.max_depth if self.spec.drafter else 0}], got "
+                                    f"{depth}", "speculation_depth")
         sp = speculate.SamplingParams(
             max_tokens=max_tokens or min(room, self.cfg.default_max_tokens),
             temperature=req.temperature, top_p=req.top_p, seed=req.seed, eos_ids=self.eos_ids)
         return sp, depth, stop
 
-    def warning(self, depth: int) -> str | None:
-        if self.ttt_steps and depth > self.ttt_steps:
+    def warning(self, depth) -> str | None:
+        if self.ttt_steps and not callable(depth) and depth > self.ttt_steps:
             return (f"speculation_depth {depth} > the drafter's trained ttt_steps "
                     f"{self.ttt_steps}: acceptance past it is extrapolation")
         return None
 
 
-def usage(n_prompt: int, rounds: list[speculate.Round], depth: int, warning: str | None) -> dict:
-    """OpenAI usage + this request's speculation stats (rounds after the prefill)."""
+def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | None) -> dict:
+    """OpenAI usage + this request's speculation stats (rounds after the prefill). `depth`: an
+    int, or a dynamic-depth policy (reported as "dynamic", with the mean depth per round)."""
     out = sum(len(r.tokens) for r in rounds)
     verify = rounds[1:]
     drafted = sum(r.drafted for r in verify)
     accepted = sum(r.accepted for r in verify)
-    spec = {"depth": depth, "rounds": len(verify), "drafted_tokens": drafted,
-            "accepted_tokens": accepted,
+    deepest = max([r.drafted for r in verify], default=0) if callable(depth) else depth
+    spec = {"depth": "dynamic" if callable(depth) else depth, "rounds": len(verify),
+            "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_length": (accepted + len(verify)) / max(1, len(verify)),
-            "accepted_per_position": [sum(r.accepted > k for r in verify) for k in range(depth)]}
+            "accepted_per_position": [sum(r.accepted > k for r in verify)
+                                      for k in range(deepest)]}
+    if callable(depth):
+        spec["mean_depth"] = drafted / max(1, len(verify))
     if warning:
         spec["warning"] = warning
     return {"prompt_tokens": n_prompt, "completion_tokens": out,

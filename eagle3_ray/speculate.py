@@ -98,9 +98,20 @@ class Speculator:
     """A verifier (a transformers causal LM) and an optional EAGLE-3 drafter (draft.py), sharing
     a device. generate() decodes one request and yields a Round per verifier forward."""
 
-    def __init__(self, model, drafter=None, layer_ids: list[int] | None = None):
-        self.model, self.drafter = model, drafter
-        self.device = next(model.parameters()).device
+    def __init__(self, model, drafter=None, layer_ids: list[int] | None = None,
+                 batch_invariant: bool | None = None, simulated_comm=None):
+        """The drafter moves to the verifier's device and dtype. batch_invariant (default: when
+        the verifier runs in bf16/fp16) makes the verifier's outputs independent of the number
+        of tokens per forward, for exact greedy equality (verifier.make_batch_invariant).
+        simulated_comm: a SIMULATION of a multi-GPU node's interconnect, (tokens in a verifier
+        forward) -> seconds slept after each forward (planner.comm_s of a node profile)."""
+        p = next(model.parameters())
+        self.model, self.device, self.simulated_comm = model, p.device, simulated_comm
+        self.drafter = drafter.to(device=p.device, dtype=p.dtype) if drafter is not None else None
+        if batch_invariant is None:
+            batch_invariant = p.dtype in (torch.bfloat16, torch.float16)
+        if batch_invariant:
+            verifier_lib.make_batch_invariant(model)
         n_layers = model.config.num_hidden_layers
         self.layer_ids = None                      # no drafter: nothing to capture
         if drafter is not None:
@@ -115,12 +126,15 @@ class Speculator:
         start = cache.get_seq_length()
         x = torch.tensor([ids], device=self.device)                       # [1, s]
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        aux = None
         if self.layer_ids is None:
             out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
-            return out.logits[0].float(), None
-        with verifier_lib.capture_hidden_states(self.model, self.layer_ids) as got:
-            out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
-        aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, s, 3H]
+        else:
+            with verifier_lib.capture_hidden_states(self.model, self.layer_ids) as got:
+                out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+            aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, s, 3H]
+        if self.simulated_comm:
+            time.sleep(self.simulated_comm(len(ids)))
         return out.logits[0].float(), aux
 
     def _draft_step(self, tokens: list[int], hidden: torch.Tensor, kv: DraftKV):

@@ -83,9 +83,7 @@ def autocast_dtype(precision: str, use_gpu: bool) -> torch.dtype | None:
     if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"precision must be auto, bf16 or fp32, got {precision!r}")
     if precision == "auto":
-        cpu_bf16 = any(getattr(torch.cpu, f, lambda: False)()
-                       for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-        precision = "bf16" if use_gpu or cpu_bf16 else "fp32"
+        precision = "bf16" if use_gpu or verifier.native_bf16() else "fp32"
     return torch.bfloat16 if precision == "bf16" else None
 
 
@@ -181,8 +179,9 @@ def mapping_from_d2t(d2t: list[int], vocab_size: int) -> tuple[torch.Tensor, tor
 
 def collate(batch: pa.Table, hidden: int, max_len: int) -> dict[str, torch.Tensor]:
     """Arrow rows -> right-padded tensors; hidden states stay bf16 until the model casts."""
+    greedy = "target_ids" in batch.column_names                   # format 2 datasets
     rows = batch.select(["input_ids", "loss_mask", "num_tokens", "aux_hidden_states",
-                         "last_hidden_states"]).to_pylist()
+                         "last_hidden_states"] + ["target_ids"] * greedy).to_pylist()
     n = min(max_len, max(r["num_tokens"] for r in rows))
     b = len(rows)
     out = {"input_ids": torch.zeros(b, n, dtype=torch.long),              # [B, S]
@@ -190,6 +189,8 @@ def collate(batch: pa.Table, hidden: int, max_len: int) -> dict[str, torch.Tenso
            "attention_mask": torch.zeros(b, n, dtype=torch.long),         # [B, S]
            "aux_hidden_states": torch.zeros(b, n, 3 * hidden, dtype=torch.bfloat16),  # [B,S,3H]
            "last_hidden_states": torch.zeros(b, n, hidden, dtype=torch.bfloat16)}     # [B,S,H]
+    if greedy:
+        out["target_ids"] = torch.zeros(b, n, dtype=torch.long)                             # [B, S]
     for i, r in enumerate(rows):
         t = schema.decode_row(r, hidden)
         s = min(n, r["num_tokens"])
@@ -198,6 +199,8 @@ def collate(batch: pa.Table, hidden: int, max_len: int) -> dict[str, torch.Tenso
         out["attention_mask"][i, :s] = 1
         out["aux_hidden_states"][i, :s] = t["aux_hidden_states"][:s].reshape(s, 3 * hidden)
         out["last_hidden_states"][i, :s] = t["last_hidden_states"][:s]
+        if greedy:
+            out["target_ids"][i, :s] = t["target_ids"][:s]
     return out
 
 

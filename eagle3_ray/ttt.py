@@ -7,7 +7,7 @@ Step k = 0..K-1 at position t (all positions of a batch at once):
     target        p_teacher[t+1+k] = softmax over the draft vocab of the verifier's
                   lm_head[draft rows] · norm(last_hidden[t+1+k])  (predicts token t+2+k)
     valid         loss_mask[t+1+k] & attention_mask[t+1+k] & t+1+k < S & the verifier's
-                  full-vocab argmax at t+1+k is in the draft vocab
+                  full-vocab argmax at t+1+k (target_ids, or the teacher's) is in the draft vocab
 Attention of step k: the query at t sees the step-0 keys causally (positions <= t) plus the keys
 of steps 1..k at the same position t (the "diagonal"), one joint softmax. That is one S×S block
 plus k diagonal terms per step; the attention core is recomputed in backward (activation
@@ -160,7 +160,8 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     through its forward) on one batch -> (loss, metrics).
 
     batch: input_ids [B, S] long, loss_mask [B, S], attention_mask [B, S] (1 = real token, right
-    padding), aux_hidden_states [B, S, 3H], last_hidden_states [B, S, H] (any float dtype).
+    padding), aux_hidden_states [B, S, 3H], last_hidden_states [B, S, H] (any float dtype),
+    optionally target_ids [B, S] (the verifier's full-vocab argmax; else the teacher finds it).
     metrics (plain floats/lists, per step k): loss_k, acc_k, cond_acc_k (among positions whose
     steps 0..k-1 were valid and correct), p_k (steps 0..k all correct, over positions valid at
     all of 0..k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive COUNT_KEYS sums that
@@ -178,7 +179,10 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     # Teacher, once per batch, only where some step can use it: u = t+1+k >= 1, masked in.
     wanted = batch["loss_mask"].bool() & real                              # [B, S]
     wanted[:, 0] = False
-    p_rows, in_draft = teacher(batch["last_hidden_states"][wanted])        # [M, Vd], [M]
+    greedy = batch.get("target_ids")          # the verifier's argmax, stored at extraction
+    p_rows, in_draft = teacher(batch["last_hidden_states"][wanted], check=greedy is None)
+    if greedy is not None:                                                 # [M, Vd], [M]
+        in_draft = drafter.t2d[greedy[wanted]]
     target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
     target_row[wanted] = torch.where(in_draft, torch.arange(len(p_rows), device=ids.device), -1)
     teacher_top = p_rows.argmax(-1)                                        # [M]

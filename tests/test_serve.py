@@ -8,7 +8,6 @@ import time
 
 import pytest
 import requests
-import torch
 import yaml
 
 from eagle3_ray import checkpoint, draft, serve
@@ -264,3 +263,34 @@ def test_serve_yaml_builds_the_app(tiny_verifier, tmp_path):
     assert d.ray_actor_options["num_gpus"] == args["gpus_per_replica"]
     with pytest.raises(ValueError, match="unknown field"):
         serve.app_builder({"depht": 3})
+
+
+def test_engine_dynamic_depth_over_a_simulated_interconnect(tiny_verifier, tmp_path, one_thread):
+    """The replica's engine (no HTTP needed: the routes are the same code as above): requests
+    without speculation_depth get a per-round depth policy planned on the replica's measured
+    times plus a SIMULATED PCIe interconnect, which every verify really sleeps; the output is
+    still plain decoding's; an explicit speculation_depth still wins."""
+    from eagle3_ray import planner
+    drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
+    node = "pcie-8x-rtx-pro-6000-kimi-k2.5"
+    eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
+                                   max_depth=6, dynamic_depth=True, simulate_interconnect=node,
+                                   torch_threads=1))
+    comm = planner.comm_s(planner.load_profile(node), 1)
+    assert eng.depth_profile.simulated and comm > 1e-3
+    assert eng.spec.simulated_comm(1) == comm and eng.prior == [0.5]   # untrained: no metrics
+    req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                            temperature=0, max_tokens=10)
+    prompt = eng.prompt_ids(req)
+    sp, policy, _ = eng.sampling(req, len(prompt))
+    assert isinstance(policy, planner.DynamicDepth)
+    rounds = list(eng.spec.generate(prompt, sp, policy))
+    plain = [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
+    assert [t for r in rounds for t in r.tokens] == plain
+    assert [r.drafted for r in rounds[1:]] == policy.depths[:len(rounds) - 1]
+    assert all(r.verify_s >= comm for r in rounds)                  # the simulation was paid
+    spec = serve.usage(len(prompt), rounds, policy, None)["speculation"]
+    assert spec["depth"] == "dynamic"
+    assert spec["mean_depth"] == sum(policy.depths[:len(rounds) - 1]) / (len(rounds) - 1)
+    fixed = serve.ChatRequest(model=MODEL, messages=req.messages, speculation_depth=2)
+    assert eng.sampling(fixed, len(prompt))[1] == 2

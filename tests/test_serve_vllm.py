@@ -34,7 +34,8 @@ except Exception:                         # serve.py absent or broken: a stand-i
 DEFAULTS = dict(verifier="", drafter=None, model_name="eagle3-ray", depth=4, max_depth=16,
                 engine="vllm", gpus_per_replica=0, cpus_per_replica=1.0, node_resource=None,
                 num_replicas=1, autoscaling=None, max_ongoing_requests=4, max_queued_requests=16,
-                request_timeout_s=300.0, api_key=None, max_model_len=None)
+                request_timeout_s=300.0, api_key=None, max_model_len=None,
+                dynamic_depth=False, profile=None, simulate_interconnect=None)
 
 
 def make_cfg(**kw):
@@ -161,6 +162,8 @@ def test_plain_decoding_and_small_replicas(verifier_dir):
 def test_clear_errors(verifier_dir, drafter_dir):
     with pytest.raises(ValueError, match="api_key.*builtin"):
         serve_vllm.llm_config(make_cfg(verifier=verifier_dir, api_key="sk-x"), None)
+    with pytest.raises(ValueError, match="builtin engine"):
+        serve_vllm.llm_config(make_cfg(verifier=verifier_dir, dynamic_depth=True), None)
     with pytest.raises(ValueError, match="whole GPUs"):
         serve_vllm.llm_config(make_cfg(verifier=verifier_dir, gpus_per_replica=2.5), None)
     with pytest.raises(ValueError, match="Hugging Face id or a transformers"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3_ray import speculate
+from eagle3_ray import planner, speculate
 from eagle3_ray.draft import DraftConfig, Eagle3Drafter
 from eagle3_ray.speculate import SamplingParams, Speculator
 
@@ -55,6 +55,12 @@ def test_greedy_equals_plain_decoding_at_every_depth():
             assert all(r.drafted == depth for r in rounds[1:])
             assert all(0 <= r.accepted <= r.drafted for r in rounds)
             assert all(len(r.tokens) <= r.accepted + 1 for r in rounds)
+        # dynamic depth (a per-round policy): same output, depths within bounds
+        flat = planner.single_device_profile("flat", {1: 10.0, 17: 11.0}, 0.1, model.config)
+        policy = planner.DynamicDepth(flat, [0.6, 0.5], max_depth=8)
+        out, rounds = run(spec, prompt, sp, policy)
+        assert out == base and [r.drafted for r in rounds[1:]] == policy.depths[:len(rounds) - 1]
+        assert policy.depths[0] > 1 and all(0 <= d <= 8 for d in policy.depths)
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -94,6 +100,34 @@ def test_drafter_that_matches_the_verifier_gets_every_draft_accepted():
         full = [r for r in rounds[1:] if r.finish_reason is None]
         assert full and all(r.accepted == depth and len(r.tokens) == depth + 1 for r in full)
         assert len(rounds) == 1 + math.ceil(39 / (depth + 1))
+
+
+def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
+    """In bf16 a k-token forward rounds differently from k one-token forwards (GEMV vs GEMM,
+    fused attention over a masked block); the Speculator makes a bf16 verifier batch invariant
+    (verifier.make_batch_invariant), so greedy stays token-for-token exact."""
+    from transformers import DynamicCache
+    model, drafter = tiny_pair(vocab=500)
+    model = model.to(torch.bfloat16)
+    spec = Speculator(model, drafter)                                    # bf16: invariant
+    prompt = list(range(10, 30))
+    nxt = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(torch.tensor([prompt]), cache=cache)
+        joint = model(nxt, cache=cache).logits                           # [1, 7, V]
+        cache = DynamicCache()
+        model(torch.tensor([prompt]), cache=cache)
+        steps = torch.cat([model(nxt[:, i:i + 1], cache=cache).logits for i in range(7)], 1)
+    assert torch.equal(joint, steps)                                     # bit for bit
+    sp = SamplingParams(max_tokens=40)
+    base, _ = run(spec, prompt, sp, 0)
+    for depth in (1, 3, 8):
+        assert run(spec, prompt, sp, depth)[0] == base, depth
+    oracle = Speculator(model, OracleDrafter(drafter.config, prompt + base + [0] * 40).eval())
+    out, rounds = run(oracle, prompt, sp, 8)
+    assert out == base
+    assert all(r.accepted == 8 for r in rounds[1:] if r.finish_reason is None)
 
 
 def exact_marginals(model, prompt, temperature, top_p, steps):

@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from eagle3_ray import ttt
-from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher, causal_attention, rms_norm
+from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher, rms_norm
 
 B, S, V, VD = 2, 12, 50, 20
 
@@ -145,6 +144,31 @@ def test_teacher_matches_full_vocab():
     assert torch.allclose(p, logits[:, full["target_ids"]].softmax(-1))
     assert torch.equal(inside, full["t2d"][logits.argmax(-1)])
     assert 0 < int(inside.sum()) < len(inside)                               # both cases occur
+
+
+def test_stored_target_ids_replace_the_full_vocab_check():
+    """A format-2 batch carries the verifier's argmax (target_ids): the teacher then skips the
+    out-of-draft rows, and loss, gradients and metrics equal the full-vocab check's."""
+    drafter, teacher, batch, full = tiny()
+    normed = rms_norm(batch["last_hidden_states"], full["norm"], drafter.config.rms_norm_eps)
+    greedy = (normed @ full["head"].T).argmax(-1)                             # [B, S]
+    assert not full["t2d"][greedy].all()                 # some argmaxes fall outside the vocab
+    runs = []
+    for b in (batch, {**batch, "target_ids": greedy}):
+        drafter.zero_grad()
+        loss, m = ttt.ttt_loss(drafter, teacher, b, 3)
+        loss.backward()
+        runs.append((loss.detach(), m, [p.grad.clone() for p in drafter.parameters()
+                                        if p.grad is not None]))
+    (l1, m1, g1), (l2, m2, g2) = runs
+    torch.testing.assert_close(l1, l2)
+    assert {k: m1[k] for k in ttt.COUNT_KEYS} == {k: m2[k] for k in ttt.COUNT_KEYS}
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    # the stored ids decide: mark every target outside the draft vocab -> nothing is valid
+    outside = torch.nonzero(~full["t2d"])[0, 0].expand(B, S)
+    _, m3 = ttt.ttt_loss(drafter, teacher, {**batch, "target_ids": outside}, 3)
+    assert sum(m3["count"]) == 0
 
 
 def test_perfect_drafter_accepts_everything():

@@ -1,0 +1,812 @@
+"""The depth planner: which speculation depth to serve, how deep to train, what speedup to expect.
+
+Cost model (../shared/DESIGN.md, "Cost model"). With conditional acceptance a_j at draft
+position j and p_i = Π_{j<=i} a_j (the chance that position i is accepted):
+    E[τ](k)      = 1 + Σ_{i<k} p_i                      tokens per round at depth k
+    comm(t)      = N_ar·(α + 2(n−1)/n · t·H·B / BW)     N_ar all-reduces of t tokens, n GPUs
+    t_verify(t)  = compute(t) + comm(t)                 compute(t): the profile's table
+    T_round(k)   = k·t_draft + t_verify(k+1)
+    tokens/s(k)  = E[τ](k) / T_round(k),   speedup(k) = E[τ](k) · T_round(0) / T_round(k)
+A round's fixed costs (N_ar·α of all-reduce latency, reading the weights once) buy more tokens
+the deeper it drafts, so a node with slow all-reduces (PCIe) goes deeper than one with fast ones
+(NVLink); growing per-token costs (draft steps, MoE experts touched, transfer) stop it.
+
+A node profile is data: a YAML file (eagle3_ray/profiles/<name>.yaml, or any path) with the
+verify compute time per number of tokens, the draft step time and the interconnect. `eagle3-ray
+profile` measures one; the packaged ones are derived from spec sheets (see their comments).
+Acceptance comes from a training run, `bench quality` / `bench serve` JSON, a server's /metrics,
+or a literal list; past the measured positions it is extrapolated conservatively and marked.
+
+    eagle3-ray plan --acceptance 0.8,0.75,0.7,0.65 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
+        --compare nvlink-8x-h100-kimi-k2.5 --out /tmp/plan          # CPU, a second
+    eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml              # measure this machine
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from eagle3_ray import ttt
+
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+EXTRAPOLATION_WINDOW = 3      # known positions averaged for the extrapolation base
+EXTRAPOLATION_DECAY = 0.9     # each extrapolated position: base · decay^(distance past known)
+
+
+# --- node profiles ---------------------------------------------------------------------------
+
+@dataclass
+class Interconnect:
+    latency_us: float             # α: fixed cost of one all-reduce (µs)
+    bandwidth_gbps: float         # BW: effective all-reduce bandwidth, GB/s (1e9 bytes/s)
+    allreduces_per_forward: int   # N_ar: tensor-parallel all-reduces per verifier forward
+    hidden_size: int              # H: an all-reduce message is tokens·H·B bytes
+    bytes_per_elem: int           # B: bytes per activation element (2 = bf16)
+
+
+@dataclass
+class NodeProfile:
+    name: str
+    description: str              # what node, model, and how the numbers were obtained
+    sources: list[str]            # spec sheets, model cards, measurements behind the numbers
+    gpus: int                     # n: tensor-parallel degree of the verifier (1 = no comm)
+    interconnect: Interconnect
+    verify_ms: dict[int, float]   # tokens verified -> compute-only ms of one verifier forward
+    draft_step_ms: float          # one drafter step (one token), compute only
+    draft_allreduces: int = 0     # all-reduces per draft step (a drafter sharded over GPUs)
+    simulated: bool = False       # True: interconnect borrowed from another node (a simulation)
+    _xs: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _ys: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self._xs = sorted(self.verify_ms)
+        self._ys = [self.verify_ms[x] for x in self._xs]
+
+
+def _check(cond: bool, where: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{where}: {msg}")
+
+
+def _number(d: dict, key: str, where: str, kind=float, minimum: float = 0.0):
+    _check(key in d, where, f"missing field '{key}'")
+    v = d[key]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v >= minimum
+    if kind is int:
+        ok = ok and float(v).is_integer()
+    _check(ok, where, f"field '{key}' must be {'an integer' if kind is int else 'a number'} "
+                      f">= {minimum}, got {v!r}")
+    return kind(v)
+
+
+def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
+    """A parsed YAML mapping -> NodeProfile, or ValueError naming `where` and the field."""
+    _check(isinstance(d, dict), where, "a profile must be a YAML mapping")
+    known = {f.name for f in dataclasses.fields(NodeProfile) if f.init}
+    unknown = sorted(set(d) - known)
+    _check(not unknown, where, f"unknown field(s) {unknown} (known: {sorted(known)})")
+    _check("name" in d, where, "missing field 'name'")
+    gpus = _number(d, "gpus", where, int, 1)
+    _check("interconnect" in d, where, "missing field 'interconnect'")
+    ic, w = d["interconnect"], f"{where}: interconnect"
+    _check(isinstance(ic, dict), where, "field 'interconnect' must be a mapping")
+    ic_known = {f.name for f in dataclasses.fields(Interconnect)}
+    _check(not set(ic) - ic_known, w, f"unknown field(s) {sorted(set(ic) - ic_known)}")
+    inter = Interconnect(
+        latency_us=_number(ic, "latency_us", w),
+        bandwidth_gbps=_number(ic, "bandwidth_gbps", w, float, 1e-9),
+        allreduces_per_forward=_number(ic, "allreduces_per_forward", w, int),
+        hidden_size=_number(ic, "hidden_size", w, int, 1),
+        bytes_per_elem=_number(ic, "bytes_per_elem", w, int, 1))
+    _check("verify_ms" in d, where, "missing field 'verify_ms'")
+    vm = d["verify_ms"]
+    _check(isinstance(vm, dict) and vm, where,
+           "field 'verify_ms' must be a non-empty mapping tokens -> ms")
+    verify_ms = {}
+    for k, v in vm.items():
+        _check(isinstance(k, int) and k >= 1, where,
+               f"verify_ms: tokens must be integers >= 1, got {k!r}")
+        verify_ms[k] = _number(vm, k, f"{where}: verify_ms", float, 1e-12)
+    sources = d.get("sources", [])
+    _check(isinstance(sources, list) and all(isinstance(s, str) for s in sources), where,
+           "field 'sources' must be a list of strings")
+    return NodeProfile(
+        name=str(d["name"]), description=str(d.get("description", "")), sources=sources,
+        gpus=gpus, interconnect=inter, verify_ms=verify_ms,
+        draft_step_ms=_number(d, "draft_step_ms", where, float, 1e-12),
+        draft_allreduces=(_number(d, "draft_allreduces", where, int)
+                          if "draft_allreduces" in d else 0),
+        simulated=bool(d.get("simulated", False)))
+
+
+def profile_path(name_or_path: str) -> str:
+    """A path as is; a bare name -> the packaged eagle3_ray/profiles/<name>.yaml."""
+    if os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml")):
+        return name_or_path
+    return os.path.join(PROFILE_DIR, f"{name_or_path}.yaml")
+
+
+def packaged_profiles() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> NodeProfile:
+    import yaml
+    path = profile_path(name_or_path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"profile not found: {path} (packaged: {packaged_profiles()})")
+    with open(path) as f:
+        try:
+            d = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+    return profile_from_dict(d, path)
+
+
+def profile_to_dict(p: NodeProfile) -> dict:
+    d = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
+    d["interconnect"] = dataclasses.asdict(p.interconnect)
+    d["verify_ms"] = {int(k): float(v) for k, v in sorted(p.verify_ms.items())}
+    return d
+
+
+def save_profile(profile: NodeProfile, path: str) -> None:
+    import yaml
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(profile_to_dict(profile), f, sort_keys=False)
+
+
+def with_interconnect(measured: NodeProfile, node: NodeProfile) -> NodeProfile:
+    """`measured`'s compute times with `node`'s GPUs and interconnect, labelled a simulation:
+    what this machine's verifier would cost if every forward also paid `node`'s all-reduces."""
+    return dataclasses.replace(
+        measured, name=f"{measured.name}+{node.name}-interconnect", simulated=True,
+        gpus=node.gpus, interconnect=dataclasses.replace(node.interconnect),
+        description=f"SIMULATION: compute of {measured.name}, interconnect of {node.name}",
+        sources=measured.sources + [f"interconnect: {node.name}"] + node.sources)
+
+
+# --- the arithmetic --------------------------------------------------------------------------
+
+def _interp(xs: list, ys: list, x: float) -> float:
+    """Linear between the points (xs sorted), linear from the outer two beyond them, >= 0."""
+    if len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return ys[i]
+    i = min(max(i, 1), len(xs) - 1)                     # the segment [xs[i-1], xs[i]]
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def compute_s(profile: NodeProfile, tokens: int) -> float:
+    """Verify compute for `tokens` from the profile's verify_ms table (interpolated)."""
+    return _interp(profile._xs, profile._ys, tokens) / 1e3
+
+
+def _allreduce_s(profile: NodeProfile, tokens: int) -> float:
+    n, ic = profile.gpus, profile.interconnect
+    if n <= 1:
+        return 0.0
+    msg = tokens * ic.hidden_size * ic.bytes_per_elem                  # bytes
+    return ic.latency_us * 1e-6 + 2 * (n - 1) / n * msg / (ic.bandwidth_gbps * 1e9)
+
+
+def comm_s(profile: NodeProfile, tokens: int) -> float:
+    """N_ar · (α + 2(n−1)/n · tokens·H·B / BW); 0 on one GPU."""
+    return profile.interconnect.allreduces_per_forward * _allreduce_s(profile, tokens)
+
+
+def verify_s(profile: NodeProfile, tokens: int) -> float:
+    return compute_s(profile, tokens) + comm_s(profile, tokens)
+
+
+def draft_s(profile: NodeProfile) -> float:
+    """One draft step: compute + its own all-reduces of one token (a sharded drafter)."""
+    return profile.draft_step_ms / 1e3 + profile.draft_allreduces * _allreduce_s(profile, 1)
+
+
+def round_s(profile: NodeProfile, k: int) -> float:
+    """One speculation round at depth k: k draft steps + a verify of k+1 tokens."""
+    return k * draft_s(profile) + verify_s(profile, k + 1)
+
+
+def accept_lengths(cond_acc: list[float]) -> list[float]:
+    """E[τ] at depths 0..len(cond_acc) (ttt.accept_lengths: 1 + Σ_{i<k} Π_{j<=i} a_j)."""
+    return ttt.accept_lengths(cond_acc)
+
+
+def extend_acceptance(cond_acc: list[float], depth: int, window: int = EXTRAPOLATION_WINDOW,
+                      decay: float = EXTRAPOLATION_DECAY) -> tuple[list[float], list[bool]]:
+    """Conditional acceptance for positions 0..depth-1 -> (a, extrapolated flags).
+
+    Positions past the m known ones get a_j = base · decay^(j − m + 1), base = min(last known,
+    mean of the last `window` known): never above the last measured value and falling further
+    the farther out it goes (a drafter degrades past the depth it was trained and measured at).
+    """
+    m = len(cond_acc)
+    if depth <= m:
+        return list(cond_acc[:depth]), [False] * depth
+    if m == 0:
+        raise ValueError("no measured acceptance to extrapolate from")
+    if not 0 < decay < 1:
+        raise ValueError(f"decay must be in (0, 1), got {decay}")
+    last = cond_acc[-window:]
+    base = min(cond_acc[-1], sum(last) / len(last))
+    extra = [base * decay ** (j - m + 1) for j in range(m, depth)]
+    return list(cond_acc) + extra, [False] * m + [True] * (depth - m)
+
+
+def best_depth(cond_acc: list[float], profile: NodeProfile, max_depth: int | None = None) -> int:
+    """argmax over k = 0..max_depth of tokens/s (ties: the shallower). Cheap enough to call per
+    round from a dynamic-depth server: one pass over the depths, a few floats each. Positions
+    past len(cond_acc) are extrapolated (extend_acceptance)."""
+    max_depth = len(cond_acc) if max_depth is None else max_depth
+    if max_depth > len(cond_acc):
+        cond_acc = extend_acceptance(cond_acc, max_depth)[0]
+    best, best_rate, tau, chain = 0, 1.0 / round_s(profile, 0), 1.0, 1.0
+    for k in range(1, max_depth + 1):
+        chain *= cond_acc[k - 1]
+        tau += chain
+        rate = tau / round_s(profile, k)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+class DynamicDepth:
+    """A request's depth policy (Speculator.generate's `depth` callable): before each round,
+    the depth with the best expected tokens/s on `profile`, from this request's own per-position
+    acceptance so far plus a prior (`prior` conditional acceptance, worth `prior_rounds`
+    rounds). Positions past the deepest one drafted so far are extrapolated from the request's
+    own acceptance (extend_acceptance), so a request whose drafts keep being accepted goes
+    deeper and one that keeps missing (code vs chat, say) backs off."""
+
+    def __init__(self, profile: NodeProfile, prior: list[float], max_depth: int,
+                 prior_rounds: float = 8.0):
+        acc = extend_acceptance(prior, max_depth)[0] if len(prior) < max_depth else prior
+        self.profile, self.max_depth, self.seen = profile, max_depth, 0
+        p, chain = [], 1.0
+        for a in acc[:max_depth]:
+            chain *= a
+            p.append(chain)
+        self.drafted = [prior_rounds] * max_depth                   # pseudo-counts per position
+        self.accepted = [prior_rounds * x for x in p]
+        self.deepest = 0                                            # positions drafted so far
+        self.depths: list[int] = []                                 # chosen per round
+
+    def cond_acc(self) -> list[float]:
+        if not self.deepest:
+            return cond_from_counts(self.drafted, self.accepted)
+        seen = cond_from_counts(self.drafted[:self.deepest], self.accepted[:self.deepest])
+        return extend_acceptance(seen, self.max_depth)[0]
+
+    def __call__(self, history) -> int:
+        for r in history[self.seen:]:                               # speculate.Round
+            self.deepest = max(self.deepest, min(r.drafted, self.max_depth))
+            for k in range(min(r.drafted, self.max_depth)):
+                self.drafted[k] += 1
+                self.accepted[k] += k < r.accepted
+        self.seen = len(history)
+        d = best_depth(self.cond_acc(), self.profile, self.max_depth)
+        self.depths.append(d)
+        return d
+
+
+def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
+         known_depth: int | None = None, train_costs: dict[int, float] | None = None) -> dict:
+    """Per depth 0..max_depth: E[τ], round time (draft / verify compute / comm), tokens/s,
+    speedup, extrapolated; the best depth, the ttt_steps to train for it, the training cost of
+    each ttt_steps choice (train_costs: ttt_steps -> seconds per step, from `bench train`), and
+    a plain-words reason. `known_depth`: how many leading entries of cond_acc are measured
+    (default: all); the rest is extrapolated."""
+    if not 1 <= max_depth <= 64:
+        raise ValueError(f"max_depth must be in 1..64, got {max_depth}")
+    known = len(cond_acc) if known_depth is None else min(known_depth, len(cond_acc))
+    if known == 0:
+        raise ValueError("no measured acceptance (cond_acc is empty)")
+    bad = [a for a in cond_acc[:known] if not 0.0 <= a <= 1.0]
+    if bad:
+        raise ValueError(f"conditional acceptance must lie in [0, 1], got {bad}")
+    acc, extrapolated = extend_acceptance(cond_acc[:known], max_depth)
+    taus = accept_lengths(acc)
+    r0 = round_s(profile, 0)
+    rows = []
+    for k in range(max_depth + 1):
+        r = round_s(profile, k)
+        rows.append({"depth": k, "accept_len": taus[k], "round_ms": r * 1e3,
+                     "draft_ms": k * draft_s(profile) * 1e3,
+                     "verify_compute_ms": compute_s(profile, k + 1) * 1e3,
+                     "comm_ms": comm_s(profile, k + 1) * 1e3,
+                     "tokens_per_s": taus[k] / r, "speedup": taus[k] * r0 / r,
+                     "extrapolated": k > known})
+    best = best_depth(acc, profile, max_depth)
+    ttt_steps = max(1, min(32, best))
+    result = {
+        "profile": profile.name, "simulated": profile.simulated, "max_depth": max_depth,
+        "acceptance": {"cond_acc": acc, "extrapolated": extrapolated, "known_depth": known,
+                       "extrapolation": f"past position {known - 1}: min(last, mean of last "
+                                        f"{EXTRAPOLATION_WINDOW}) x "
+                                        f"{EXTRAPOLATION_DECAY}^distance"},
+        "depths": rows, "best_depth": best, "best": rows[best], "ttt_steps": ttt_steps,
+        "warnings": [], "profile_detail": profile_to_dict(profile)}
+    if best > known:
+        result["warnings"].append(
+            f"acceptance is measured for positions 0..{known - 1} only: depth {best} relies on "
+            f"extrapolated positions {known}..{best - 1}; train with ttt_steps={ttt_steps} and "
+            f"measure again")
+    if best == 0:
+        result["warnings"].append("speculation does not pay here: no depth beats plain decoding "
+                                  "with this acceptance on this node")
+    if train_costs:
+        base = min(train_costs)                 # costs relative to the shallowest ttt_steps
+        result["train"] = [{"ttt_steps": s, "step_s": c, "relative_cost": c / train_costs[base],
+                            "speedup_if_served_at_depth": rows[min(s, max_depth)]["speedup"]}
+                           for s, c in sorted(train_costs.items())]
+        xs = sorted(train_costs)
+        cost = _interp(xs, [train_costs[x] for x in xs], ttt_steps)
+        result["ttt_steps_step_s"] = cost
+        result["ttt_steps_relative_cost"] = cost / train_costs[base]
+        result["train_relative_to"] = base
+    result["why"] = why(result, profile)
+    return result
+
+
+def why(result: dict, profile: NodeProfile) -> str:
+    """A plain-words reason for the best depth: where a round's time goes at depth 0 and at the
+    best depth, and what one more draft position would buy."""
+    rows, b = result["depths"], result["best_depth"]
+    r0, rb = rows[0], rows[b]
+    ic = profile.interconnect
+    lines = [f"{profile.name}{' (SIMULATED interconnect)' if profile.simulated else ''}: "
+             f"a depth-0 round costs {r0['round_ms']:.2f} ms, {r0['comm_ms'] / r0['round_ms']:.0%} "
+             f"of it communication ({ic.allreduces_per_forward} all-reduces x "
+             f"{ic.latency_us:g} us latency on {profile.gpus} GPUs)."]
+    if b == 0:
+        r1 = rows[1]
+        lines.append(f"Depth 1 would cost {r1['round_ms']:.2f} ms for {r1['accept_len']:.2f} "
+                     f"tokens: worse than plain decoding.")
+        return " ".join(lines)
+    lines.append(
+        f"At the best depth {b} a round costs {rb['round_ms']:.2f} ms (draft "
+        f"{rb['draft_ms']:.2f}, verify compute {rb['verify_compute_ms']:.2f}, communication "
+        f"{rb['comm_ms']:.2f} = {rb['comm_ms'] / rb['round_ms']:.0%}) and yields "
+        f"{rb['accept_len']:.2f} tokens: {rb['tokens_per_s']:.0f} tokens/s, "
+        f"x{rb['speedup']:.2f} over plain decoding.")
+    lines.append("The fixed cost per round (latency, weights read once) is shared by more "
+                 "tokens the deeper the round; it stops paying where one more position adds "
+                 "less than the round's rate.")
+    if b + 1 < len(rows):
+        nxt = rows[b + 1]
+        lines.append(f"Depth {b + 1} would add {nxt['round_ms'] - rb['round_ms']:.2f} ms "
+                     f"({(nxt['round_ms'] - rb['round_ms']) / rb['round_ms']:.0%}) for "
+                     f"{nxt['accept_len'] - rb['accept_len']:.3f} expected tokens "
+                     f"({(nxt['accept_len'] - rb['accept_len']) / rb['accept_len']:.0%}).")
+    return " ".join(lines)
+
+
+def compare_text(a: dict, b: dict) -> str:
+    """Why two nodes choose different depths, from their two plan() results."""
+    ra0, rb0 = a["depths"][0], b["depths"][0]
+    return (f"{a['profile']} serves depth {a['best_depth']} (x{a['best']['speedup']:.2f}), "
+            f"{b['profile']} depth {b['best_depth']} (x{b['best']['speedup']:.2f}). A depth-0 "
+            f"round is {ra0['comm_ms'] / ra0['round_ms']:.0%} communication on {a['profile']} "
+            f"({ra0['comm_ms']:.2f} of {ra0['round_ms']:.2f} ms) vs "
+            f"{rb0['comm_ms'] / rb0['round_ms']:.0%} on {b['profile']} "
+            f"({rb0['comm_ms']:.2f} of {rb0['round_ms']:.2f} ms): the larger the fixed cost per "
+            f"round, the more tokens per round are worth drafting.")
+
+
+# --- acceptance sources ----------------------------------------------------------------------
+
+def cond_from_counts(drafted: list[float], accepted: list[float]) -> list[float]:
+    """Per-position counts (rounds that drafted / accepted position k) -> a_k = p_k / p_{k−1},
+    p_k = accepted_k / drafted_k (rounds of any depth that drafted k). Stops at the first
+    position no round drafted."""
+    cond, prev = [], 1.0
+    for d, a in zip(drafted, accepted):
+        if d <= 0:
+            break
+        p = a / d
+        cond.append(min(1.0, p / prev) if prev > 0 else 0.0)
+        prev = p
+    return cond
+
+
+def _cond_from_accept_lengths(taus: dict[int, float]) -> list[float]:
+    """E[τ] measured at a few depths -> a_0..a_{D−1}: between consecutive measured depths
+    d1 < d2, one constant a with p_{d1−1}·(a + a² + … + a^(d2−d1)) = τ(d2) − τ(d1)."""
+    cond, p_prev, d1, t1 = [], 1.0, 0, 1.0
+    for d2 in sorted(taus):
+        n, target = d2 - d1, taus[d2] - t1
+        if n <= 0:
+            continue
+        if p_prev <= 0 or target <= 0:
+            a = 0.0
+        elif target >= p_prev * n:
+            a = 1.0
+        else:
+            lo, hi = 0.0, 1.0
+            for _ in range(60):                         # bisection: the sum grows with a
+                mid = (lo + hi) / 2
+                if p_prev * sum(mid ** i for i in range(1, n + 1)) < target:
+                    lo = mid
+                else:
+                    hi = mid
+            a = (lo + hi) / 2
+        cond += [a] * n
+        p_prev *= a ** n
+        d1, t1 = d2, max(t1, taus[d2])
+    return cond
+
+
+def _from_metrics_text(text: str, where: str) -> tuple[list[float], int, str]:
+    from eagle3_ray.serve import parse_metrics
+    m = parse_metrics(text)
+    pat = re.compile(r'eagle3_ray_(drafted|accepted)_at_position_total\{position="(\d+)"\}')
+    counts: dict[str, dict[int, float]] = {"drafted": {}, "accepted": {}}
+    for key, v in m.items():
+        hit = pat.fullmatch(key)
+        if hit:
+            counts[hit[1]][int(hit[2])] = v
+    if not counts["drafted"]:
+        raise ValueError(f"{where}: no eagle3_ray_drafted_at_position_total samples (no "
+                         f"speculative rounds served yet, or not an eagle3-ray server)")
+    n = max(counts["drafted"]) + 1
+    cond = cond_from_counts([counts["drafted"].get(k, 0) for k in range(n)],
+                             [counts["accepted"].get(k, 0) for k in range(n)])
+    rounds = counts["drafted"].get(0, 0)
+    return cond, len(cond), f"{where}: served per-position acceptance ({rounds:.0f} rounds)"
+
+
+def _from_run_dir(path: str) -> tuple[list[float], int, str]:
+    def cond_of(m: dict, prefix: str) -> list[float]:
+        out, k = [], 0
+        while f"{prefix}cond_acc_{k}" in m:
+            out.append(float(m[f"{prefix}cond_acc_{k}"]))
+            k += 1
+        return out
+
+    history = []
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.isfile(metrics):
+        with open(metrics) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        history.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{metrics}: line {i} is not JSON: {e}") from None
+    for m in reversed(history):
+        if "eval/cond_acc_0" in m:
+            cond = cond_of(m, "eval/")
+            return cond, len(cond), f"{metrics}: held-out eval at step {m.get('step')}"
+    for meta in (os.path.join(path, "drafter", "meta.json"), os.path.join(path, "meta.json")):
+        if os.path.isfile(meta):
+            final = json.load(open(meta)).get("final_metrics") or {}
+            for prefix in ("eval/", "train/"):
+                cond = cond_of(final, prefix)
+                if cond:
+                    return cond, len(cond), f"{meta}: final_metrics ({prefix.rstrip('/')})"
+    for m in reversed(history):
+        if "train/cond_acc_0" in m:
+            cond = cond_of(m, "train/")
+            return cond, len(cond), (f"{metrics}: TRAINING metrics at step {m.get('step')} "
+                                     f"(no held-out eval: optimistic)")
+    raise ValueError(f"{path}: no cond_acc_k in metrics.jsonl or drafter/meta.json "
+                     f"(not a training run or drafter dir?)")
+
+
+def _from_json(path: str, ttt_steps: int | None) -> tuple[list[float], int, str]:
+    try:
+        r = json.load(open(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    kind = r.get("bench") if isinstance(r, dict) else None
+    if kind == "quality":
+        runs = r["runs"]
+        key = str(ttt_steps) if ttt_steps is not None else max(runs, key=int)
+        if key not in runs:
+            raise ValueError(f"{path}: no run with ttt_steps={ttt_steps} "
+                             f"(have {sorted(runs, key=int)})")
+        cond = [float(a) for a in runs[key]["cond_acc"]]
+        return cond, len(cond), (f"{path}: bench quality, drafter ttt_steps={key}, held-out "
+                                 f"positions 0..{len(cond) - 1}")
+    if kind == "serve" and (r.get("planner") or {}).get("cond_acc"):
+        cond = [float(a) for a in r["planner"]["cond_acc"]]
+        return cond, len(cond), (f"{path}: bench serve, per-position acceptance counted over "
+                                 f"all its fixed-depth runs")
+    if kind == "serve":
+        runs = sorted((x for x in r["runs"].values() if isinstance(x["depth"], int)),
+                      key=lambda x: x["depth"])
+        counted = [x for x in runs if x.get("accepted_per_position") and x.get("rounds")]
+        if counted:
+            x = counted[-1]
+            accepted = x["accepted_per_position"]
+            drafted = x.get("drafted_per_position") or [x["rounds"]] * len(accepted)
+            cond = cond_from_counts(drafted, accepted)
+            return cond, len(cond), (f"{path}: bench serve, per-position accepted counts of the "
+                                     f"depth-{x['depth']} run ({x['rounds']} rounds)")
+        taus = {x["depth"]: float(x["acceptance_length"]) for x in runs if x["depth"] > 0}
+        if not taus:
+            raise ValueError(f"{path}: bench serve result has no depth > 0")
+        cond = _cond_from_accept_lengths(taus)
+        return cond, len(cond), (f"{path}: bench serve, acceptance length at depths "
+                                 f"{sorted(taus)} (piecewise-constant fit between them)")
+    if kind == "train":
+        raise ValueError(f"{path}: a bench train result holds step times, not acceptance "
+                         f"(pass it as --bench-train)")
+    raise ValueError(f"{path}: not a bench quality or bench serve result (\"bench\": {kind!r})")
+
+
+def acceptance_from(source: str, ttt_steps: int | None = None) -> tuple[list[float], int, str]:
+    """-> (conditional acceptance per position, known depth, description) from
+      a training run dir or drafter dir     latest eval/cond_acc_k of metrics.jsonl, else
+                                            drafter/meta.json final_metrics
+      a bench quality JSON                  the run with `ttt_steps` (default: the deepest)
+      a bench serve JSON                    per-position counts if present, else a fit to the
+                                            acceptance length at each depth
+      http(s)://host:port[/metrics]         a running eagle3-ray server's Prometheus counters
+      "0.8,0.75,0.7"                        a literal list."""
+    literal = re.fullmatch(r"\s*[0-9.eE+-]+(\s*,\s*[0-9.eE+-]+)*\s*,?\s*", source)
+    if literal and not os.path.exists(source):
+        try:
+            cond = [float(x) for x in source.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"acceptance list {source!r}: not numbers") from None
+        return cond, len(cond), "given list"
+    if source.startswith(("http://", "https://")):
+        import requests
+        url = source if source.rstrip("/").endswith("/metrics") else source.rstrip("/") + "/metrics"
+        try:
+            resp = requests.get(url, timeout=10)
+            resp.raise_for_status()
+        except requests.RequestException as e:
+            raise ValueError(f"{url}: could not read metrics: {e}") from None
+        return _from_metrics_text(resp.text, url)
+    if os.path.isdir(source):
+        return _from_run_dir(source)
+    if os.path.isfile(source):
+        return _from_json(source, ttt_steps)
+    raise FileNotFoundError(f"acceptance source not found: {source} (a training run dir, a "
+                            f"bench quality/serve JSON, an http(s) URL of a server, or a list "
+                            f"like 0.8,0.7)")
+
+
+def train_costs_from(path: str) -> dict[int, float]:
+    """A `bench train` JSON -> {ttt_steps: seconds per optimizer step}."""
+    try:
+        r = json.load(open(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(r, dict) or r.get("bench") != "train":
+        raise ValueError(f"{path}: not a bench train result (expected \"bench\": \"train\")")
+    return {int(x["ttt_steps"]): float(x["step_s"]) for x in r["results"]}
+
+
+# --- output ----------------------------------------------------------------------------------
+
+def format_table(result: dict, compare: dict | None = None) -> str:
+    head = f"{'depth':>5} {'E[tau]':>7} {'round ms':>9} {'comm %':>6} {'tok/s':>8} {'speedup':>7}"
+    if compare:
+        head += f" | {'tok/s':>8} {'speedup':>7}   ({compare['profile']})"
+    lines = [f"plan for {result['profile']}  (* best, ~ extrapolated acceptance)", head]
+    for i, r in enumerate(result["depths"]):
+        mark = ("*" if i == result["best_depth"] else " ") + ("~" if r["extrapolated"] else " ")
+        line = (f"{r['depth']:>5} {r['accept_len']:>7.2f} {r['round_ms']:>9.2f} "
+                f"{r['comm_ms'] / r['round_ms']:>6.0%} {r['tokens_per_s']:>8.1f} "
+                f"{r['speedup']:>7.2f}{mark}")
+        if compare:
+            c = compare["depths"][i]
+            cm = "*" if i == compare["best_depth"] else " "
+            line += f" | {c['tokens_per_s']:>8.1f} {c['speedup']:>7.2f}{cm}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot_plan(result: dict, path: str, compare: dict | None = None) -> None:
+    """Speedup vs depth (best marked, extrapolated acceptance shaded; a second profile dashed)
+    and the round-time breakdown of the first profile."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    known = result["acceptance"]["known_depth"]
+    for res, style, color in ((result, "-", "#37a"), (compare, "--", "#a52")):
+        if not res:
+            continue
+        ds = [r["depth"] for r in res["depths"]]
+        a1.plot(ds, [r["speedup"] for r in res["depths"]], style, color=color, marker="o", ms=3,
+                label=f"{res['profile']}{' (simulated)' if res.get('simulated') else ''}")
+        b = res["best"]
+        a1.plot([b["depth"]], [b["speedup"]], "*", color=color, ms=14,
+                label=f"best depth {b['depth']}: x{b['speedup']:.2f}")
+    max_d = result["max_depth"]
+    if known < max_d:
+        a1.axvspan(known + 0.5, max_d + 0.5, color="#ccc", alpha=0.4,
+                   label=f"acceptance extrapolated (> depth {known})")
+    a1.axhline(1.0, color="gray", lw=0.8)
+    a1.set_xlabel("speculation depth"), a1.set_ylabel("predicted speedup over depth 0")
+    a1.set_title("predicted speedup")
+    rows = result["depths"]
+    ds = [r["depth"] for r in rows]
+    a2.stackplot(ds, [r["draft_ms"] for r in rows], [r["verify_compute_ms"] for r in rows],
+                 [r["comm_ms"] for r in rows], labels=["draft steps", "verify compute",
+                                                       "communication"],
+                 colors=["#9c6", "#69c", "#e96"], alpha=0.85)
+    if compare:
+        a2.plot(ds, [r["round_ms"] for r in compare["depths"]], "--", color="#a52",
+                label=f"round total, {compare['profile']}")
+    a2.set_xlabel("speculation depth"), a2.set_ylabel("ms per round")
+    a2.set_title(f"round time, {result['profile']}")
+    for a in (a1, a2):
+        a.grid(alpha=0.3), a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- measuring this machine ------------------------------------------------------------------
+
+def _allreduce_worker(rank: int, world: int, hidden: int, port: int, out: str) -> None:
+    import time
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    res = {}
+    for tokens in (1, 33):
+        x = torch.ones(tokens * hidden, dtype=torch.bfloat16, device="cuda")   # [t·H]
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        res[tokens] = (time.perf_counter() - t0) / 200
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def measure_allreduce(gpus: int, hidden: int) -> tuple[float, float]:
+    """(α µs, BW GB/s) of NCCL all-reduces of 1 and 33 tokens·H bf16 across `gpus` GPUs, one
+    spawned process each. Not exercised by the tests (no multi-GPU machine here)."""
+    import socket
+    import tempfile
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "allreduce.json")
+        mp.spawn(_allreduce_worker, args=(gpus, hidden, port, out), nprocs=gpus, join=True)
+        t = {int(k): v for k, v in json.load(open(out)).items()}
+    c, m1, m33 = 2 * (gpus - 1) / gpus, hidden * 2, 33 * hidden * 2       # bytes
+    bw = c * (m33 - m1) / max(t[33] - t[1], 1e-9)                         # bytes/s
+    return max(0.0, t[1] - c * m1 / bw) * 1e6, bw / 1e9
+
+
+def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
+                    max_tokens: int = 33, context: int = 256, reps: int = 5, warmup: int = 1,
+                    name: str | None = None) -> NodeProfile:
+    """Time this machine: one verifier forward over 1..max_tokens tokens after a `context`-token
+    KV cache (median of `reps`, the decoder's own verify call, aux hooks included), one drafter
+    step (a trained drafter dir, else an untrained one of the same shape), and, only with
+    several GPUs, NCCL all-reduce latency/bandwidth. -> a NodeProfile (gpus=1, N_ar=0 on one
+    device)."""
+    import platform
+    import torch
+    from eagle3_ray import draft, speculate, verifier
+    spec = spec or verifier.EMBEDDED_VERIFIER
+    ngpu = torch.cuda.device_count()
+    model = verifier.load_verifier(spec, num_gpus=ngpu)                   # its default dtype
+    cfg = model.config
+    if drafter_dir:
+        from eagle3_ray.train import load_trained_drafter
+        drafter = load_trained_drafter(drafter_dir, spec)[0]
+    else:
+        drafter = draft.untrained_drafter(spec, min(32000, cfg.vocab_size))[0]
+    dec = speculate.Speculator(model, drafter.eval())
+    verify_ms, draft_ms = measure_speculator(dec, max_tokens, context, reps, warmup)
+    dtype = next(model.parameters()).dtype
+    where = torch.cuda.get_device_name(0) if ngpu else f"{platform.processor() or 'CPU'}, " \
+        f"{torch.get_num_threads()} threads"
+    p = single_device_profile(
+        name or f"measured-{platform.node() or 'host'}", verify_ms, draft_ms, cfg, dtype,
+        description=(f"measured by eagle3-ray profile: verifier {spec} ({dtype}), {context}-token "
+                     f"KV cache, median of {reps}; drafter "
+                     f"{drafter_dir or 'untrained, same shape'}; {max(ngpu, 1)} x {where}"
+                     + ("; verifier split over the GPUs by accelerate (layers, not tensor "
+                        "parallel): verify_ms is close to, not exactly, compute only"
+                        if ngpu > 1 else "")))
+    if ngpu > 1:
+        alpha, bw = measure_allreduce(ngpu, cfg.hidden_size)
+        p.gpus = ngpu
+        p.interconnect = dataclasses.replace(p.interconnect, latency_us=round(alpha, 2),
+                                             bandwidth_gbps=round(bw, 3),
+                                             allreduces_per_forward=2 * cfg.num_hidden_layers + 2)
+    return p
+
+
+def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: float, config,
+                          dtype=None, description: str = "") -> NodeProfile:
+    """Measured times of one device (no interconnect) -> a NodeProfile."""
+    import time
+    import torch
+    itemsize = dtype.itemsize if dtype is not None else 2
+    return NodeProfile(
+        name=name, description=description or f"measured: {name}",
+        sources=[f"measured {time.strftime('%Y-%m-%d')} with torch {torch.__version__}"],
+        gpus=1, interconnect=Interconnect(latency_us=0.0, bandwidth_gbps=1.0,
+                                          allreduces_per_forward=0,
+                                          hidden_size=config.hidden_size, bytes_per_elem=itemsize),
+        verify_ms={k: round(v, 4) for k, v in verify_ms.items()},
+        draft_step_ms=round(draft_ms, 4))
+
+
+def measure_speculator(dec, max_tokens: int = 33, context: int = 256, reps: int = 5,
+                       warmup: int = 1) -> tuple[dict[int, float], float]:
+    """A Speculator's own verify call over 1..max_tokens tokens after a `context`-token KV
+    cache, and one draft step (medians, ms) -> (verify_ms, draft_step_ms). Any simulated
+    interconnect of `dec` is left out: a profile's verify_ms is compute only."""
+    import torch
+    sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+    vocab = dec.model.config.vocab_size
+    ids = torch.randint(0, vocab, (context + max_tokens + 1,), generator=g).tolist()
+    drafter, comm = dec.drafter, dec.simulated_comm
+    dec.simulated_comm = None
+    try:
+        verify_ms, draft_ms = _time_speculator(dec, drafter, ids, max_tokens, context, reps,
+                                               warmup, sync)
+    finally:
+        dec.simulated_comm = comm
+    return verify_ms, draft_ms
+
+
+def _time_speculator(dec, drafter, ids, max_tokens, context, reps, warmup, sync):
+    import statistics
+    import time
+    import torch
+    from transformers import DynamicCache
+    from eagle3_ray import speculate
+
+    def timed(fn, n):
+        out = []
+        for _ in range(warmup + n):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out[warmup:]) * 1e3                     # ms
+
+    with torch.inference_mode():
+        cache = DynamicCache()
+        _, aux = dec._verify(ids[:context], cache)                         # aux [1, ctx, 3H]
+        verify_ms = {}
+        for t in range(1, max_tokens + 1):
+            def step(t=t):
+                dec._verify(ids[context:context + t], cache)
+                cache.crop(-t)                                             # back to the context
+            verify_ms[t] = timed(step, reps)
+        kv = speculate.DraftKV()
+        h, logits_d = dec._draft_step(ids[1:context + 1], aux, kv)        # absorb the context
+        tok = int(drafter.draft_to_target(logits_d.argmax()))
+
+        def draft_one():
+            _, lg = dec._draft_step([tok], h, kv)                          # one draft token
+            int(lg.argmax())
+            kv.crop(context)
+        draft_ms = timed(draft_one, reps * 4)
+    return verify_ms, draft_ms

@@ -1,0 +1,353 @@
+"""The depth planner: the cost model's arithmetic on hand-computed cases, extrapolation, node
+profiles (YAML, packaged), acceptance sources, the `plan` command, and measuring a profile."""
+import http.server
+import json
+import threading
+
+import pytest
+import yaml
+
+from eagle3_ray import planner as P
+
+DECAYING = [round(max(0.05, 0.8 - 0.05 * i), 4) for i in range(32)]   # 0.8, 0.75, 0.7, ...
+
+
+def profile(**kw) -> P.NodeProfile:
+    """1 GPU (no comm), verify 10/12/16 ms at 1/2/4 tokens (= 8 + 2t ms), draft step 1 ms."""
+    d = dict(name="one-gpu", description="test", sources=["hand"], gpus=1,
+             interconnect=P.Interconnect(0.0, 1.0, 0, 1000, 2),
+             verify_ms={1: 10.0, 2: 12.0, 4: 16.0}, draft_step_ms=1.0)
+    d.update(kw)
+    return P.NodeProfile(**d)
+
+
+def two_nodes():
+    """Same compute (verify 4 + t ms, draft 0.5 ms), 8 GPUs, 100 all-reduces of t·1000·2 B at
+    1000 GB/s; PCIe-like α = 40 µs vs NVLink-like α = 5 µs."""
+    common = dict(gpus=8, verify_ms={1: 5.0, 33: 37.0}, draft_step_ms=0.5)
+    pcie = profile(name="pcie", interconnect=P.Interconnect(40.0, 1000.0, 100, 1000, 2), **common)
+    nvl = profile(name="nvlink", interconnect=P.Interconnect(5.0, 1000.0, 100, 1000, 2), **common)
+    return pcie, nvl
+
+
+# --- arithmetic ---------------------------------------------------------------------------------
+
+def test_verify_table_interpolates_and_extrapolates_linearly():
+    p = profile()
+    assert P.compute_s(p, 1) == pytest.approx(10e-3)
+    assert P.compute_s(p, 3) == pytest.approx(14e-3)           # between 2 and 4
+    assert P.compute_s(p, 6) == pytest.approx(20e-3)           # past 4: slope of (2, 4)
+    assert P.comm_s(p, 5) == 0.0                                # one GPU: no all-reduce
+    assert P.round_s(p, 3) == pytest.approx(3e-3 + 16e-3)       # 3 drafts + verify of 4 tokens
+
+
+def test_comm_formula_hand_computed():
+    p = profile(gpus=4, interconnect=P.Interconnect(50.0, 10.0, 10, 1000, 2))
+    # 10 · (50 µs + 2·3/4 · t·1000·2 B / 10 GB/s) = 0.5 ms + 3 µs·t
+    assert P.comm_s(p, 1) == pytest.approx(0.503e-3)
+    assert P.comm_s(p, 3) == pytest.approx(0.509e-3)
+    assert P.verify_s(p, 3) == pytest.approx(14e-3 + 0.509e-3)
+    sharded = profile(gpus=4, interconnect=P.Interconnect(50.0, 10.0, 10, 1000, 2),
+                      draft_allreduces=3)
+    assert P.draft_s(sharded) == pytest.approx(1e-3 + 3 * 50.3e-6)
+
+
+def test_constant_acceptance_half():
+    r = P.plan([0.5] * 4, profile(), max_depth=4)
+    taus = [row["accept_len"] for row in r["depths"]]
+    assert taus == pytest.approx([1, 1.5, 1.75, 1.875, 1.9375])
+    rounds = [row["round_ms"] for row in r["depths"]]
+    assert rounds == pytest.approx([10, 13, 16, 19, 22])       # k·1 + (8 + 2(k+1))
+    tps = [row["tokens_per_s"] for row in r["depths"]]
+    assert tps == pytest.approx([100, 1.5 / 0.013, 1.75 / 0.016, 1.875 / 0.019, 1.9375 / 0.022])
+    assert r["best_depth"] == 1 and r["ttt_steps"] == 1
+    assert r["best"]["speedup"] == pytest.approx(1.5 * 10 / 13)
+    assert not any(row["extrapolated"] for row in r["depths"])
+
+
+def test_decaying_acceptance():
+    r = P.plan([0.9, 0.6, 0.3], profile(), max_depth=3)
+    # p = 0.9, 0.54, 0.162
+    assert [x["accept_len"] for x in r["depths"]] == pytest.approx([1, 1.9, 2.44, 2.602])
+    assert [x["tokens_per_s"] for x in r["depths"]] == pytest.approx(
+        [100, 1.9 / 0.013, 2.44 / 0.016, 2.602 / 0.019])
+    assert r["best_depth"] == 2 and r["ttt_steps"] == 2
+    assert r["best"]["speedup"] == pytest.approx(2.44 * 10 / 16)
+    assert P.best_depth([0.9, 0.6, 0.3], profile()) == 2
+    assert P.plan([0.01] * 3, profile(), 3)["best_depth"] == 0   # drafting never pays
+
+
+def test_pcie_goes_deeper_than_nvlink_hand_computed():
+    pcie, nvl = two_nodes()
+    # a = 0.8 constant: E[τ](k) = (1 − 0.8^(k+1)) / 0.2; round = 0.5k + 4 + (k+1) + comm(k+1) ms
+    comm5 = 100 * (40e-6 + 2 * 7 / 8 * 5 * 2000 / 1e12)
+    assert P.comm_s(pcie, 5) == pytest.approx(comm5)
+    assert P.round_s(pcie, 4) == pytest.approx(2e-3 + 9e-3 + comm5)
+    rp, rn = P.plan([0.8] * 8, pcie, 8), P.plan([0.8] * 8, nvl, 8)
+    assert rp["depths"][4]["accept_len"] == pytest.approx(3.3616)
+    assert rp["depths"][4]["tokens_per_s"] == pytest.approx(3.3616 / (11e-3 + comm5))
+    assert rp["best_depth"] == 4 and rn["best_depth"] == 3
+    # the reason: a depth-0 round is mostly all-reduce latency on the PCIe node
+    assert rp["depths"][0]["comm_ms"] / rp["depths"][0]["round_ms"] > 0.4
+    assert rn["depths"][0]["comm_ms"] / rn["depths"][0]["round_ms"] < 0.1
+    assert "communication" in rp["why"] and "pcie" in P.compare_text(rp, rn)
+
+
+def test_best_depth_matches_plan_and_extrapolates():
+    pcie, nvl = two_nodes()
+    for p in (pcie, nvl, profile()):
+        for acc in (DECAYING, [0.9] * 32, [0.5, 0.4]):
+            assert P.best_depth(acc, p, 32) == P.plan(acc, p, 32)["best_depth"]
+
+
+# --- extrapolation ----------------------------------------------------------------------------
+
+def test_extend_acceptance_is_conservative_and_marked():
+    a, ext = P.extend_acceptance([0.9, 0.8, 0.7], 6)
+    assert a[:3] == [0.9, 0.8, 0.7] and ext == [False] * 3 + [True] * 3
+    assert a[3:] == pytest.approx([0.7 * 0.9, 0.7 * 0.81, 0.7 * 0.729])   # min(last, mean) · 0.9^j
+    a, _ = P.extend_acceptance([0.5, 0.6, 0.95], 10)        # last known above the recent mean
+    assert max(a[3:]) <= (0.5 + 0.6 + 0.95) / 3
+    import random
+    rng = random.Random(0)
+    for _ in range(200):
+        known = [rng.random() for _ in range(rng.randint(1, 8))]
+        a, ext = P.extend_acceptance(known, 32)
+        tail = a[len(known):]
+        assert all(x <= known[-1] for x in tail)
+        assert all(x >= y for x, y in zip(tail, tail[1:]))
+        assert ext.count(True) == 32 - len(known)
+    assert P.extend_acceptance([0.9, 0.8], 1) == ([0.9], [False])
+    with pytest.raises(ValueError, match="no measured acceptance"):
+        P.extend_acceptance([], 4)
+
+
+def test_plan_marks_extrapolated_depths_and_warns():
+    r = P.plan([0.95] * 8, profile(verify_ms={1: 10.0, 33: 10.5}, draft_step_ms=0.01),
+               max_depth=16, known_depth=2)
+    assert r["acceptance"]["known_depth"] == 2
+    assert [row["extrapolated"] for row in r["depths"]][:4] == [False, False, False, True]
+    assert r["acceptance"]["cond_acc"][2] < 0.95               # entries past known_depth replaced
+    assert r["best_depth"] > 2 and "extrapolated" in r["warnings"][0]
+
+
+def test_train_costs():
+    r = P.plan([0.9, 0.6, 0.3], profile(), 3, train_costs={1: 1.0, 4: 2.5, 8: 4.0})
+    assert r["ttt_steps"] == 2
+    assert r["ttt_steps_step_s"] == pytest.approx(1.5)          # interpolated between 1 and 4
+    assert r["ttt_steps_relative_cost"] == pytest.approx(1.5)
+    assert [t["relative_cost"] for t in r["train"]] == pytest.approx([1.0, 2.5, 4.0])
+
+
+# --- profiles ---------------------------------------------------------------------------------
+
+def test_profile_yaml_round_trip_and_errors(tmp_path):
+    p = profile(gpus=8, interconnect=P.Interconnect(40.0, 16.0, 124, 7168, 2), draft_allreduces=2)
+    path = str(tmp_path / "p.yaml")
+    P.save_profile(p, path)
+    q = P.load_profile(path)
+    assert q == p and P.round_s(q, 5) == P.round_s(p, 5)
+    d = yaml.safe_load(open(path))
+    del d["verify_ms"]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError, match=r"bad.yaml: missing field 'verify_ms'"):
+        P.load_profile(str(tmp_path / "bad.yaml"))
+    d = yaml.safe_load(open(path))
+    del d["interconnect"]["latency_us"]
+    (tmp_path / "bad2.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError, match=r"bad2.yaml: interconnect: missing field 'latency_us'"):
+        P.load_profile(str(tmp_path / "bad2.yaml"))
+    d = yaml.safe_load(open(path))
+    d["gpu"] = 8
+    (tmp_path / "bad3.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpu'\]"):
+        P.load_profile(str(tmp_path / "bad3.yaml"))
+    d = yaml.safe_load(open(path))
+    d["draft_step_ms"] = "fast"
+    (tmp_path / "bad4.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(ValueError, match=r"'draft_step_ms' must be a number"):
+        P.load_profile(str(tmp_path / "bad4.yaml"))
+    with pytest.raises(FileNotFoundError, match="packaged"):
+        P.load_profile("no-such-node")
+
+
+def test_packaged_profiles_load_and_pcie_goes_deeper():
+    names = P.packaged_profiles()
+    assert {"pcie-8x-rtx-pro-6000-kimi-k2.5", "nvlink-8x-h100-kimi-k2.5"} <= set(names)
+    for name in names:
+        p = P.load_profile(name)
+        assert p.sources and p.gpus == 8 and p.interconnect.allreduces_per_forward == 124
+        ys = [p.verify_ms[k] for k in sorted(p.verify_ms)]
+        assert ys == sorted(ys) and max(p.verify_ms) >= 33
+        assert 1 <= P.best_depth(DECAYING, p, 32) <= 8
+        assert 2 <= P.best_depth([0.9] * 32, p, 32) <= 16
+    pcie = P.plan(DECAYING, P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5"))
+    nvl = P.plan(DECAYING, P.load_profile("nvlink-8x-h100-kimi-k2.5"))
+    assert pcie["best_depth"] > nvl["best_depth"]
+    assert pcie["best"]["speedup"] > nvl["best"]["speedup"] > 1
+    share = [r["depths"][0]["comm_ms"] / r["depths"][0]["round_ms"] for r in (pcie, nvl)]
+    assert share[0] > share[1]
+
+
+def test_with_interconnect_is_labelled_a_simulation():
+    pcie = P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
+    sim = P.with_interconnect(profile(), pcie)
+    assert sim.simulated and "SIMULATION" in sim.description
+    assert P.compute_s(sim, 3) == P.compute_s(profile(), 3)
+    assert P.comm_s(sim, 3) == pytest.approx(P.comm_s(pcie, 3))
+    assert "SIMULATED" in P.plan([0.8] * 4, sim, 8)["why"]
+
+
+# --- acceptance sources -----------------------------------------------------------------------
+
+def test_acceptance_from_training_run(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 10, "train/cond_acc_0": 0.4, "train/cond_acc_1": 0.3},
+             {"step": 20, "eval/cond_acc_0": 0.6, "eval/cond_acc_1": 0.5, "eval/acc_0": 0.6},
+             {"step": 30, "train/cond_acc_0": 0.7, "train/cond_acc_1": 0.6}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    cond, known, desc = P.acceptance_from(str(run))
+    assert cond == [0.6, 0.5] and known == 2 and "step 20" in desc
+    drafter = tmp_path / "run2" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "meta.json").write_text(json.dumps(
+        {"ttt_steps": 3, "final_metrics": {"eval/cond_acc_0": 0.7, "eval/cond_acc_1": 0.6,
+                                           "eval/cond_acc_2": 0.5}}))
+    assert P.acceptance_from(str(tmp_path / "run2"))[:2] == ([0.7, 0.6, 0.5], 3)
+    assert P.acceptance_from(str(drafter))[0] == [0.7, 0.6, 0.5]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no cond_acc_k"):
+        P.acceptance_from(str(tmp_path / "empty"))
+
+
+def test_acceptance_from_bench_json(tmp_path):
+    q = {"bench": "quality", "runs": {"1": {"ttt_steps": 1, "cond_acc": [0.5, 0.3]},
+                                      "4": {"ttt_steps": 4, "cond_acc": [0.6, 0.5, 0.4]}}}
+    (tmp_path / "quality.json").write_text(json.dumps(q))
+    assert P.acceptance_from(str(tmp_path / "quality.json"))[0] == [0.6, 0.5, 0.4]   # deepest
+    assert P.acceptance_from(str(tmp_path / "quality.json"), ttt_steps=1)[0] == [0.5, 0.3]
+    with pytest.raises(ValueError, match="no run with ttt_steps=8"):
+        P.acceptance_from(str(tmp_path / "quality.json"), ttt_steps=8)
+    # bench serve, acceptance lengths only: E[τ] 1.5 at depth 1, 1.9375 at depth 4 -> a = 0.5
+    s = {"bench": "serve", "runs": {"0": {"depth": 0, "acceptance_length": 1.0},
+                                    "1": {"depth": 1, "acceptance_length": 1.5},
+                                    "4": {"depth": 4, "acceptance_length": 1.9375}}}
+    (tmp_path / "serve.json").write_text(json.dumps(s))
+    cond, known, desc = P.acceptance_from(str(tmp_path / "serve.json"))
+    assert cond == pytest.approx([0.5] * 4, abs=1e-6) and known == 4 and "fit" in desc
+    # bench serve with per-position counts of the deepest run
+    s["runs"]["4"].update(rounds=100, accepted_per_position=[80, 40, 20, 5])
+    (tmp_path / "serve.json").write_text(json.dumps(s))
+    cond = P.acceptance_from(str(tmp_path / "serve.json"))[0]
+    assert cond == pytest.approx([0.8, 0.5, 0.5, 0.25])
+    (tmp_path / "train.json").write_text(json.dumps({"bench": "train", "results": [
+        {"ttt_steps": 1, "step_s": 0.5}, {"ttt_steps": 4, "step_s": 1.25}]}))
+    with pytest.raises(ValueError, match="--bench-train"):
+        P.acceptance_from(str(tmp_path / "train.json"))
+    assert P.train_costs_from(str(tmp_path / "train.json")) == {1: 0.5, 4: 1.25}
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a bench quality or bench serve"):
+        P.acceptance_from(str(tmp_path / "other.json"))
+    with pytest.raises(FileNotFoundError, match="acceptance source not found"):
+        P.acceptance_from(str(tmp_path / "nope"))
+    assert P.acceptance_from("0.8, 0.7,0.6") == ([0.8, 0.7, 0.6], 3, "given list")
+
+
+def served_metrics_text() -> str:
+    """What a server's /metrics says after 4 depth-3 rounds accepting 3, 1, 0, 2 drafts."""
+    from eagle3_ray.serve import Metrics
+    from eagle3_ray.speculate import Round
+    m = Metrics()
+    rounds = [Round([1], 0, 0)] + [Round([1] * (a + 1), 3, a) for a in (3, 1, 0, 2)]
+    m.rounds(5, rounds)
+    return m.render()
+
+
+def test_acceptance_from_server_metrics_url():
+    text = served_metrics_text().encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = text if self.path == "/metrics" else b"# nothing\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{srv.server_address[1]}"
+        for url in (base, base + "/metrics"):
+            cond, known, desc = P.acceptance_from(url)
+            # accepted at positions 0/1/2 in 3/2/1 of 4 rounds: p = .75, .5, .25
+            assert cond == pytest.approx([0.75, 0.5 / 0.75, 0.5]) and known == 3
+            assert "4 rounds" in desc
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with pytest.raises(ValueError, match="could not read metrics"):
+        P.acceptance_from(base)                                # the server is gone
+
+
+# --- the command ------------------------------------------------------------------------------
+
+def test_plan_cli_end_to_end(tmp_path, capsys):
+    from eagle3_ray import cli
+    q = {"bench": "quality", "runs": {"4": {"ttt_steps": 4, "cond_acc": DECAYING[:4]}}}
+    (tmp_path / "quality.json").write_text(json.dumps(q))
+    (tmp_path / "train.json").write_text(json.dumps({"bench": "train", "results": [
+        {"ttt_steps": 1, "step_s": 0.5}, {"ttt_steps": 4, "step_s": 1.25}]}))
+    out = tmp_path / "plan"
+    rc = cli.main(["plan", "--acceptance", str(tmp_path / "quality.json"),
+                   "--profile", "pcie-8x-rtx-pro-6000-kimi-k2.5",
+                   "--compare", "nvlink-8x-h100-kimi-k2.5", "--max-depth", "12",
+                   "--bench-train", str(tmp_path / "train.json"), "--out", str(out)])
+    assert rc == 0
+    r = json.load(open(out / "plan.json"))
+    assert (out / "plan.png").stat().st_size > 10_000
+    assert len(r["depths"]) == 13 and r["compare"]["profile"] == "nvlink-8x-h100-kimi-k2.5"
+    assert r["best_depth"] == P.best_depth(DECAYING[:4], P.load_profile(
+        "pcie-8x-rtx-pro-6000-kimi-k2.5"), 12)
+    assert r["best_depth"] > r["compare"]["best_depth"]
+    assert r["depths"][5]["extrapolated"] and not r["depths"][4]["extrapolated"]
+    assert "ttt_steps_step_s" in r and r["comparison"]
+    printed = capsys.readouterr().out
+    assert "best depth" in printed and "why:" in printed
+    rc = cli.main(["plan", "--acceptance", "0.8", "--profile", "no-such-node",
+                   "--out", str(tmp_path / "x")])
+    assert rc == 2 and "profile not found" in capsys.readouterr().err
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+def test_measure_profile_tiny_verifier(tiny_verifier, tmp_path, one_thread):
+    p = P.measure_profile(tiny_verifier, max_tokens=4, context=16, reps=3, name="tiny")
+    assert sorted(p.verify_ms) == [1, 2, 3, 4]
+    assert all(v > 0 for v in p.verify_ms.values()) and p.draft_step_ms > 0
+    assert p.verify_ms[4] > 0.3 * p.verify_ms[1]               # monotone-ish on a noisy box
+    assert p.gpus == 1 and p.interconnect.allreduces_per_forward == 0
+    assert P.comm_s(p, 4) == 0.0
+    path = str(tmp_path / "tiny.yaml")
+    P.save_profile(p, path)
+    assert P.load_profile(path) == p
+    assert 0 <= P.best_depth([0.8] * 4, p, 4) <= 4
+
+
+def test_dynamic_depth_follows_the_request_acceptance():
+    """Starts at the prior's best depth, goes deeper while drafts are accepted, backs off to
+    plain decoding when they stop being accepted."""
+    from types import SimpleNamespace as Round
+    pcie, _ = two_nodes()
+    dd = P.DynamicDepth(pcie, [0.5], max_depth=16)
+    first = dd([])
+    assert first == P.best_depth(P.extend_acceptance([0.5], 16)[0], pcie, 16) >= 1
+    history = [Round(drafted=first, accepted=first) for _ in range(30)]
+    assert dd(history) > first
+    history += [Round(drafted=dd.depths[-1], accepted=0) for _ in range(400)]
+    assert dd(history) == 0
+    assert dd.seen == len(history) and len(dd.depths) == 3
