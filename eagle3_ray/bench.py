@@ -407,12 +407,18 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())
     max_depth = max(depths)
-    verify_ms, draft_ms = planner.measure_speculator(dec, max_depth + 1, reps=7)
-    profile = planner.single_device_profile("this machine", verify_ms, draft_ms, model.config,
-                                            model.dtype)
-    if simulate:
-        node = planner.load_profile(simulate)
-        profile = planner.with_interconnect(profile, node)
+    node = planner.load_profile(simulate) if simulate else None
+
+    def measured_profile(*timings):      # this machine's verify/draft times (+ the simulation)
+        verify_ms = {k: sum(t[0][k] for t in timings) / len(timings) for k in timings[0][0]}
+        p = planner.single_device_profile("this machine", verify_ms,
+                                          sum(t[1] for t in timings) / len(timings),
+                                          model.config, model.dtype)
+        return planner.with_interconnect(p, node) if node else p
+
+    before = planner.measure_speculator(dec, max_depth + 1, reps=7)
+    profile = measured_profile(before)                    # what dynamic depth plans with
+    if node:
         dec.simulated_comm = functools.partial(planner.comm_s, node)
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
@@ -447,6 +453,11 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                     s["drafted_at"][k] += 1
                     s["accepted_at"][k] += k < r.accepted
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
+    # the machine drifts over minutes (shared, turbo): predict with times measured before and
+    # after the runs, averaged
+    after = planner.measure_speculator(dec, max_depth + 1, reps=7)
+    profile = measured_profile(before, after)
+    drift = after[0][1] / before[0][1] - 1
     # acceptance per position over all fixed-depth runs (greedy: it does not depend on depth)
     fixed = [runs[d] for d in depths]
     cond = planner.cond_from_counts(
@@ -490,13 +501,14 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                           "max_abs_error": max(abs(result_runs[str(d)]["predicted_error"])
                                                for d in depths),
                           "cond_acc": cond, "profile": planner.profile_to_dict(profile),
+                          "verify_1_token_drift": drift,
                           "why": pred["why"]},
               "note": "greedy; one process, the server's decoder (speculate.Speculator) without "
                       "HTTP; depths interleaved per prompt; speedup = tokens/s over depth 0's "
                       "in the same run; acceptance_length = tokens per verify round; "
                       "decode_tokens_per_s leaves out each prompt's prefill (what the planner "
                       "predicts); prediction = planner.plan(acceptance counted here, this "
-                      "machine's measured verify/draft times"
+                      "machine's verify/draft times measured before and after the runs"
                       + (f" + the SIMULATED interconnect of {simulate})" if simulate else ")")}
     if dynamic:
         d = result_runs["dynamic"]

@@ -78,6 +78,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="fsdp: shard weights, gradients and optimizer state over the workers")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16 autocast (auto: on GPUs and bf16-capable CPUs)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0)
@@ -96,7 +98,7 @@ def train_config(a: argparse.Namespace):
         max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
         eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
         checkpoint_every=a.checkpoint_every, num_workers=a.num_workers, use_gpu=a.use_gpu,
-        precision=a.precision, cpus_per_worker=a.cpus_per_worker, node_resource=a.node_resource,
+        parallel=a.parallel, precision=a.precision, cpus_per_worker=a.cpus_per_worker, node_resource=a.node_resource,
         max_failures=a.max_failures)
 
 

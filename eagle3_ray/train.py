@@ -19,6 +19,7 @@ every step appears exactly once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import csv
 import io
 import json
@@ -66,6 +67,8 @@ class TrainConfig:
     checkpoint_every: int = 50            # steps
     num_workers: int = 2
     use_gpu: bool = False
+    parallel: str = "ddp"                 # ddp | fsdp (FSDP2: parameters, gradients and AdamW
+                                          # state sharded over the workers)
     precision: str = "auto"               # bf16 | fp32 | auto: bf16 autocast on GPU and on CPUs
                                           # with native bf16 matmul (AVX512-BF16/AMX), else fp32
     cpus_per_worker: float = 1.0
@@ -139,6 +142,8 @@ def prepare(cfg: TrainConfig) -> dict:
                  "num_workers", "max_seq_len"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     manifest = schema.read_manifest(cfg.dataset)
@@ -260,7 +265,11 @@ def train_loop_per_worker(loop: dict) -> None:
     device = ray.train.torch.get_device()
     amp_dtype = autocast_dtype(cfg.precision, cfg.use_gpu)
     teacher = teacher.to(device, amp_dtype or torch.float32)  # the teacher's matmuls in bf16 too
-    model = ray.train.torch.prepare_model(drafter, parallel_strategy="ddp")
+    if cfg.parallel == "fsdp":
+        plain = copy.deepcopy(drafter).to(device)    # unsharded twin: eval and export
+        model = fsdp_shard(drafter.to(device), device)
+    else:
+        model = plain = ray.train.torch.prepare_model(drafter, parallel_strategy="ddp")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
@@ -268,7 +277,7 @@ def train_loop_per_worker(loop: dict) -> None:
     ckpt = ray.train.get_checkpoint()
     if ckpt:
         with ckpt.as_directory() as d:
-            state = load_train_state(d, unwrap(model), opt)
+            state = load_train_state(d, model, opt)
         if rank == 0:
             print(f"[train] resumed at step {state['step']} (epoch {state['epoch']}, "
                   f"{len(state['seen'])} samples of it done)")
@@ -315,8 +324,8 @@ def train_loop_per_worker(loop: dict) -> None:
             if step < cfg.max_steps and (step % cfg.log_every == 0
                                          or step % cfg.checkpoint_every == 0):
                 with_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0
-                t_last = _report_now(cfg, rank, state, seen, sums, t_last, lr, model, opt,
-                                     teacher, hidden, device, eval_sums, with_eval,
+                t_last = _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain,
+                                     opt, teacher, hidden, device, eval_sums, with_eval,
                                      with_checkpoint=step % cfg.checkpoint_every == 0)
                 t_step = time.monotonic()
         else:
@@ -331,14 +340,41 @@ def train_loop_per_worker(loop: dict) -> None:
     last = state["history"][-1] if state["history"] else {}
     if last.get("step") != state["step"] or "eval/loss" not in last:  # final: eval + checkpoint
         _report_now(cfg, rank, state, seen, sums, t_last, lr_at(cfg, state["step"], state["train_s"]),
-                    model, opt, teacher, hidden, device, eval_sums, with_eval=True,
+                    model, plain, opt, teacher, hidden, device, eval_sums, with_eval=True,
                     with_checkpoint=True)
+    weights = full_state(model)[0]                 # collective under FSDP
     if rank == 0:
-        finish(cfg, setup, unwrap(model), state)
+        finish(cfg, setup, weights, state)
 
 
-def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, opt, teacher, hidden, device,
-                eval_sums, with_eval: bool, with_checkpoint: bool) -> float:
+def fsdp_shard(drafter, device):
+    """FSDP2: each worker keeps 1/world of the drafter's parameters, gradients and AdamW state.
+    `logits` is called outside forward by the TTT loss, so it unshards the weights as forward
+    does."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    fully_shard(drafter, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
+    register_fsdp_forward_method(drafter, "logits")
+    return drafter
+
+
+def full_state(model, opt=None, everywhere: bool = False) -> tuple[dict, dict]:
+    """Whole (unsharded) model and optimizer state dicts, keyed by parameter name, DDP or FSDP
+    alike; a collective: every worker calls it. Only rank 0 gets them unless `everywhere`."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    if not dist.is_initialized():                  # a plain module, one process
+        return model.state_dict(), opt.state_dict() if opt else {}
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+    if opt is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        return get_model_state_dict(model, options=opts), {}
+    return get_state_dict(model, opt, options=opts)
+
+
+def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opt, teacher, hidden,
+                device, eval_sums, with_eval: bool, with_checkpoint: bool) -> float:
     """All-reduce the metrics since the last report, maybe evaluate, report (+ checkpoint)."""
     t = sums.reduce()
     metrics = {"step": state["step"], "epoch": state["epoch"], "lr": lr,
@@ -347,14 +383,15 @@ def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, opt, teacher, h
                **(sums.summarize(t, "train/") if t[-2] > 0 else {})}
     sums.reset()
     if with_eval:
-        metrics.update(evaluate(model, teacher, cfg, hidden, device, eval_sums))
+        if plain is not model:                     # FSDP: evaluate an unsharded copy
+            load_weights(plain, full_state(model, everywhere=True)[0], "the sharded drafter")
+        metrics.update(evaluate(plain, teacher, cfg, hidden, device, eval_sums))
     if state["history"] and state["history"][-1]["step"] == state["step"]:
         state["history"][-1].update(metrics)  # the final report completes this step's entry
     else:
         state["history"].append(metrics)
     state["seen"] = sorted(seen)
-    report(cfg, rank, state, state["history"][-1], unwrap(model), opt,
-           with_checkpoint=with_checkpoint)
+    report(cfg, rank, state, state["history"][-1], model, opt, with_checkpoint=with_checkpoint)
     return time.perf_counter()
 
 
@@ -379,39 +416,56 @@ def report(cfg, rank, state, metrics, model, opt, with_checkpoint: bool):
     import ray.train
     if rank == 0:
         write_metrics(cfg.output, state["history"])
+    weights, opt_state = full_state(model, opt) if with_checkpoint else ({}, {})
     if with_checkpoint and rank == 0:
         with tempfile.TemporaryDirectory() as d:
-            save_train_state(d, model, opt, state)
+            save_train_state(d, weights, opt_state, state)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
                              checkpoint_dir_name=f"step_{state['step']:07d}")
     else:
         ray.train.report(metrics)
 
 
-def save_train_state(d: str, model, opt, state: dict) -> None:
+def save_train_state(d: str, weights: dict, opt_state: dict, state: dict) -> None:
+    """Whole state dicts (full_state) -> a checkpoint directory."""
     from safetensors.torch import save_file
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+    save_file({k: v.detach().cpu().contiguous() for k, v in weights.items()
                if k != "embed_tokens.weight"},  # frozen, the verifier's: rebuilt on load
               os.path.join(d, "model.safetensors"))
-    torch.save(opt.state_dict(), os.path.join(d, "optimizer.pt"))
+    torch.save(opt_state, os.path.join(d, "optimizer.pt"))
     with open(os.path.join(d, "state.json"), "w") as f:
         json.dump(state, f)
 
 
 def load_train_state(d: str, model, opt) -> dict:
+    """A checkpoint directory -> the model (DDP or FSDP: each worker takes its shard) and
+    optimizer; returns the loop state."""
     from safetensors.torch import load_file
-    load_weights(model, load_file(os.path.join(d, "model.safetensors")), d)
-    opt.load_state_dict(torch.load(os.path.join(d, "optimizer.pt"), weights_only=True))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    weights = load_file(os.path.join(d, "model.safetensors"))
+    check_names(unwrap(model), weights, d)
+    set_state_dict(model, opt, model_state_dict=weights,
+                   optim_state_dict=torch.load(os.path.join(d, "optimizer.pt"), weights_only=True),
+                   options=StateDictOptions(full_state_dict=True, strict=False))
     with open(os.path.join(d, "state.json")) as f:
         return json.load(f)
 
 
-def load_weights(model, state: dict, where: str) -> None:
-    """Load drafter weights saved without the frozen embedding (the verifier's, rebuilt)."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"embed_tokens.weight"}:
+def check_names(model, state: dict, where: str) -> None:
+    """Saved drafter weights name exactly the drafter's tensors, the frozen embedding (the
+    verifier's, rebuilt on load) optional."""
+    frozen = {"embed_tokens.weight"}
+    names = set(model.state_dict())
+    missing, unexpected = sorted(names - frozen - set(state)), sorted(set(state) - names)
+    if missing or unexpected:
         raise ValueError(f"{where}: weights do not fit the drafter "
                          f"(missing {missing}, unexpected {unexpected})")
+
+
+def load_weights(model, state: dict, where: str) -> None:
+    """Load drafter weights saved without the frozen embedding into a plain module."""
+    check_names(model, state, where)
+    model.load_state_dict(state, strict=False)
 
 
 def write_metrics(output: str, history: list[dict]) -> None:
@@ -427,7 +481,7 @@ def write_metrics(output: str, history: list[dict]) -> None:
     schema.write_bytes_atomic(fs, f"{root}/metrics.csv", buf.getvalue().encode())
 
 
-def finish(cfg: TrainConfig, setup: dict, model, state: dict) -> None:
+def finish(cfg: TrainConfig, setup: dict, weights: dict, state: dict) -> None:
     """The final drafter directory + accuracy/acceptance plot (rank 0)."""
     final = next((m for m in reversed(state["history"]) if "eval/accept_len" in m),
                  state["history"][-1] if state["history"] else {})
@@ -437,7 +491,7 @@ def finish(cfg: TrainConfig, setup: dict, model, state: dict) -> None:
             "verifier": cfg.verifier,
             "verifier_facts": {k: setup["manifest"]["facts"].get(k) for k in VERIFIER_FIELDS},
             "final_metrics": final, "train_config": asdict(cfg)}
-    state_dict = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state_dict = {k: v.detach().cpu() for k, v in weights.items()}
     dcfg = draft.DraftConfig(**setup["draft_config"])
     fs, root = schema.resolve_fs(cfg.output)
     local = isinstance(fs, pa.fs.LocalFileSystem)

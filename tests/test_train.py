@@ -93,6 +93,29 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tiny_verifier, 
     assert json.loads((out / "drafter" / "meta.json").read_text())["steps"] == 11
 
 
+def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_verifier, dataset,
+                                                           tmp_path):
+    """parallel="fsdp": FSDP2 over gloo, each of the 2 workers holding half of the drafter's
+    weights, gradients and AdamW state. The loss falls, eval runs on an unsharded copy, the
+    checkpoint and the exported drafter hold whole tensors, and a rerun resumes."""
+    out = tmp_path / "run"
+    run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=16,
+                     checkpoint_every=8, eval_every=16))
+    hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    first = sum(h["train/loss"] for h in hist[:3]) / 3
+    last = sum(h["train/loss"] for h in hist[-3:]) / 3
+    assert last < 0.9 * first, (first, last)
+    assert "eval/acc_0" in hist[-1]
+    weights = load_file(out / "drafter" / "model.safetensors")
+    assert weights["lm_head.weight"].shape == (49152, 64)
+    assert weights["midlayer.mlp.down_proj.weight"].shape == (64, 128)
+    run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=20,
+                     checkpoint_every=8))
+    assert logged_steps(out) == list(range(1, 21))
+    with pytest.raises(ValueError, match="parallel must be ddp or fsdp"):
+        run_train(config(tiny_verifier, dataset, tmp_path / "x", parallel="zero3"))
+
+
 def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifier, dataset,
                                                        tmp_path):
     bad = tmp_path / "bad"
