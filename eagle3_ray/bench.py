@@ -513,7 +513,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     if dynamic:
         d = result_runs["dynamic"]
         d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
-    name = f"serve-sim-{planner.load_profile(simulate).name}" if simulate else "serve"
+    name = f"serve-sim-{node.name}" if node else "serve"
     save_result(out_dir, name, result, _plot_serve)
     for r in result_runs.values():
         extra = (f", predicted {r['predicted_tokens_per_s']:.1f} ({r['predicted_error']:+.0%})"

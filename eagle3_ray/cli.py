@@ -98,8 +98,8 @@ def train_config(a: argparse.Namespace):
         max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
         eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
         checkpoint_every=a.checkpoint_every, num_workers=a.num_workers, use_gpu=a.use_gpu,
-        parallel=a.parallel, precision=a.precision, cpus_per_worker=a.cpus_per_worker, node_resource=a.node_resource,
-        max_failures=a.max_failures)
+        parallel=a.parallel, precision=a.precision, cpus_per_worker=a.cpus_per_worker,
+        node_resource=a.node_resource, max_failures=a.max_failures)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -217,11 +217,6 @@ def round_s(profile: NodeProfile, k: int) -> float:
     return k * draft_s(profile) + verify_s(profile, k + 1)
 
 
-def accept_lengths(cond_acc: list[float]) -> list[float]:
-    """E[τ] at depths 0..len(cond_acc) (ttt.accept_lengths: 1 + Σ_{i<k} Π_{j<=i} a_j)."""
-    return ttt.accept_lengths(cond_acc)
-
-
 def extend_acceptance(cond_acc: list[float], depth: int, window: int = EXTRAPOLATION_WINDOW,
                       decay: float = EXTRAPOLATION_DECAY) -> tuple[list[float], list[bool]]:
     """Conditional acceptance for positions 0..depth-1 -> (a, extrapolated flags).
@@ -315,7 +310,7 @@ def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
     if bad:
         raise ValueError(f"conditional acceptance must lie in [0, 1], got {bad}")
     acc, extrapolated = extend_acceptance(cond_acc[:known], max_depth)
-    taus = accept_lengths(acc)
+    taus = ttt.accept_lengths(acc)                      # 1 + Σ_{i<k} Π_{j<=i} a_j
     r0 = round_s(profile, 0)
     rows = []
     for k in range(max_depth + 1):

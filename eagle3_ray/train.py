@@ -363,12 +363,12 @@ def full_state(model, opt=None, everywhere: bool = False) -> tuple[dict, dict]:
     """Whole (unsharded) model and optimizer state dicts, keyed by parameter name, DDP or FSDP
     alike; a collective: every worker calls it. Only rank 0 gets them unless `everywhere`."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict)
     if not dist.is_initialized():                  # a plain module, one process
         return model.state_dict(), opt.state_dict() if opt else {}
     opts = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     if opt is None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
         return get_model_state_dict(model, options=opts), {}
     return get_state_dict(model, opt, options=opts)
 

@@ -255,7 +255,7 @@ def make_batch_invariant(model) -> None:
 @torch.inference_mode()
 def forward_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids):
     """One forward -> aux [B, S, 3, H], last [B, S, H] (before the final norm), and the
-    verifier's greedy next token at each position [B, S] (lm_head argmax, `chunk` rows at a
+    verifier's greedy next token at each position [B, S] (lm_head argmax, 4,096 rows at a
     time, so no [B, S, V] logits are held)."""
     with capture_hidden_states(model, layer_ids) as got:
         out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
