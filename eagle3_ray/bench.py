@@ -164,7 +164,7 @@ def synthetic_loss_mask(seq: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmup: int,
-                       seed: int) -> dict:
+                       seed: int, deep_fraction: float = 1.0) -> dict:
     """Runs in a fresh (spawned) process: build, then time `warmup + steps` optimizer steps."""
     import resource
     import statistics
@@ -188,14 +188,15 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
     times, cpu, m = [], [], {}
     for _ in range(warmup + steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        loss, m = ttt.ttt_loss(drafter, teacher, batch, ttt_steps)
+        loss, m = ttt.ttt_loss(drafter, teacher, batch, ttt_steps, deep_fraction=deep_fraction)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     peak = _status_mib("VmHWM")
-    return {"ttt_steps": ttt_steps, "step_s": statistics.median(times[warmup:]),
+    return {"ttt_steps": ttt_steps, "deep_fraction": deep_fraction,
+            "step_s": statistics.median(times[warmup:]),
             "step_times_s": times, "step_cpu_s": statistics.median(cpu[warmup:]),
             "rss_before_mib": rss_before, "peak_mib": peak - rss_before,
             "vm_hwm_mib": peak,
@@ -207,25 +208,29 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
 def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden: int = 576,
                 seq: int = 1024, draft_vocab: int = 8192, heads: int = 9, kv_heads: int = 3,
                 head_dim: int = 64, intermediate: int = 1536, vocab: int = 49152,
-                steps: int = 3, warmup: int = 1, seed: int = 0) -> dict:
+                steps: int = 3, warmup: int = 1, seed: int = 0, deep_fraction: float = 0.25) -> dict:
     """Step time and peak memory of TTT training vs ttt_steps (fp32, CPU, B=1, random weights).
     Peak memory = the process's RSS high-water mark (VmHWM, = ru_maxrss of the fresh process)
     minus its RSS right before the first step: the step's own memory (activations, grads, AdamW
-    state). Writes <out_dir>/train.json and train.png."""
+    state). `results`: every step on all positions; `deep_results` (ttt_steps > 1): the steps
+    past 0 on a `deep_fraction` share of them. Writes <out_dir>/train.json and train.png."""
     import multiprocessing as mp
     shapes = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab,
                   draft_vocab_size=draft_vocab)
-    results = []
+    results, deep_results = [], []
     ctx = mp.get_context("spawn")
-    for k in ttt_steps:
+    runs = [(k, 1.0) for k in ttt_steps] + [(k, deep_fraction) for k in ttt_steps
+                                            if k > 1 and deep_fraction < 1]
+    for k, f in runs:
         with ctx.Pool(1) as pool:  # a fresh interpreter per configuration
-            r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed))
-        results.append(r)
-        print(f"[bench] train ttt_steps={k}: {r['step_s'] * 1000:.0f} ms/step "
+            r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed, f))
+        (results if f == 1.0 else deep_results).append(r)
+        print(f"[bench] train ttt_steps={k} deep_fraction={f}: {r['step_s'] * 1000:.0f} ms/step "
               f"({r['step_cpu_s'] * 1000:.0f} ms CPU), "
               f"peak +{r['peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f} MiB")
     base = results[0]
+    full = {r["ttt_steps"]: r for r in results}
     result = {
         "bench": "train", "shapes": {**shapes, "seq": seq, "batch": 1, "dtype": "float32"},
         "steps": steps, "warmup": warmup, "cpu_count": os.cpu_count(), "results": results,
@@ -237,10 +242,16 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
         "memory_mib_per_extra_step": [
             (b["peak_mib"] - a["peak_mib"]) / (b["ttt_steps"] - a["ttt_steps"])
             for a, b in zip(results, results[1:])],
+        "deep_fraction": deep_fraction, "deep_results": deep_results,
+        "deep_speedup": {r["ttt_steps"]: full[r["ttt_steps"]]["step_s"] / r["step_s"]
+                         for r in deep_results},
+        "deep_time_ratio_vs_first": {r["ttt_steps"]: r["step_s"] / base["step_s"]
+                                     for r in deep_results},
         "note": "step = ttt_loss forward + backward + AdamW step, median after warm-up (wall; "
                 "cpu = process CPU time of all threads, less sensitive to a shared box); peak = "
                 "VmHWM of a fresh process minus its RSS before the first step. Targets: memory "
-                "at most linear in ttt_steps; time(16)/time(1) <= 10.",
+                "at most linear in ttt_steps; time(16)/time(1) <= 10. deep_*: the same with "
+                "the steps past 0 on a deep_fraction share of the positions.",
     }
     save_result(out_dir, "train", result, _plot_train)
     print(f"[bench] train -> {out_dir}/train.json")
@@ -252,12 +263,19 @@ def _plot_train(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     ks = [r["ttt_steps"] for r in result["results"]]
+    deep = result.get("deep_results") or []
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.plot(ks, [r["step_s"] for r in result["results"]], "o-", color="#37a")
+    a.plot(ks, [r["step_s"] for r in result["results"]], "o-", color="#37a", label="all positions")
+    if deep:
+        a.plot([r["ttt_steps"] for r in deep], [r["step_s"] for r in deep], "s--", color="#7a3",
+               label=f"steps past 0 on {result['deep_fraction']:.0%}")
+        a.legend()
     a.set_xlabel("ttt_steps")
     a.set_ylabel("optimizer step (s)")
     a.set_title("step time")
     b.plot(ks, [r["peak_mib"] for r in result["results"]], "o-", color="#a52")
+    if deep:
+        b.plot([r["ttt_steps"] for r in deep], [r["peak_mib"] for r in deep], "s--", color="#7a3")
     b.set_xlabel("ttt_steps")
     b.set_ylabel("peak memory of a step (MiB)")
     b.set_title("peak memory")
@@ -275,7 +293,7 @@ def _plot_train(result: dict, path: str) -> None:
 def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1, 4, 8),
                   minutes: float = 10.0, depth: int = 16, draft_vocab: int = 8192,
                   out_dir: str = "runs/bench", workers: int = 2, fresh: bool = False,
-                  ttt_ramp: float = 0.5) -> dict:
+                  ttt_ramp: float = 0.5, deep_fraction: float = 1.0) -> dict:
     """Drafters trained with each ttt_steps for the same wall-clock budget on one embedded-default
     dataset, then evaluated held-out at `depth` positions. Finished stages are reused (extraction
     and each training run resume) unless fresh. Writes quality.json + quality.png."""
@@ -295,7 +313,7 @@ def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1,
         t1 = time.perf_counter()
         run_train(TrainConfig(
             dataset=data_dir, output=run_dir, ttt_steps=k, ttt_ramp=ttt_ramp,
-            draft_vocab_size=draft_vocab,
+            deep_fraction=deep_fraction, draft_vocab_size=draft_vocab,
             max_steps=1_000_000, max_minutes=minutes, batch_size=4, max_seq_len=max_length,
             lr=1e-3, warmup_steps=30, eval_every=0, log_every=25, checkpoint_every=200,
             eval_fraction=0.05, num_workers=workers, cpus_per_worker=0.5))
@@ -318,7 +336,7 @@ def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1,
     result = {"bench": "quality", "conversations": conversations, "samples": s["samples"],
               "tokens": s["tokens"], "loss_tokens": s["loss_tokens"], "max_length": max_length,
               "draft_vocab_size": draft_vocab, "minutes_per_drafter": minutes, "eval_depth": depth,
-              "ttt_ramp": ttt_ramp, "precision": "auto",
+              "ttt_ramp": ttt_ramp, "deep_fraction": deep_fraction, "precision": "auto",
               "extract_s": extract_s, "total_s": time.perf_counter() - t0,
               "runs": {str(k): v for k, v in runs.items()},
               "note": "accept_len_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} cond_acc_j: expected "

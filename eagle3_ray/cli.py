@@ -65,6 +65,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-weight-decay", type=float, default=0.8)
     p.add_argument("--ttt-ramp", type=float, default=0.0,
                    help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
+    p.add_argument("--deep-fraction", type=float, default=1.0,
+                   help="run TTT steps past 0 on this random share of positions (cheaper deep steps)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--max-epochs", type=int, default=1000)
@@ -93,7 +95,7 @@ def train_config(a: argparse.Namespace):
     return TrainConfig(
         dataset=a.dataset, output=a.output, verifier=a.verifier, ttt_steps=a.ttt_steps,
         step_weight_decay=a.step_weight_decay, ttt_ramp=a.ttt_ramp,
-        draft_vocab_size=a.draft_vocab_size,
+        deep_fraction=a.deep_fraction, draft_vocab_size=a.draft_vocab_size,
         max_steps=a.max_steps, max_epochs=a.max_epochs, batch_size=a.batch_size,
         max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
         eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
@@ -192,6 +194,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fresh", action="store_true", help="quality: redo extraction and training")
     p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8], help="quality: ttt_steps each")
     p.add_argument("--ttt-ramp", type=float, default=0.5, help="quality: depth curriculum share")
+    p.add_argument("--deep-fraction", type=float, default=1.0,
+                   help="quality: share of positions running the steps past 0")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench")
@@ -215,7 +219,8 @@ def cmd_bench(a):
     else:
         bench.bench_quality(conversations=a.samples or 1200, max_length=a.max_length,
                             minutes=a.minutes, out_dir=a.out, fresh=a.fresh,
-                            ttt_list=tuple(a.ttt), ttt_ramp=a.ttt_ramp)
+                            ttt_list=tuple(a.ttt), ttt_ramp=a.ttt_ramp,
+                            deep_fraction=a.deep_fraction)
 
 
 def cmd_profile(a):

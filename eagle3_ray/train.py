@@ -50,6 +50,8 @@ class TrainConfig:
     step_weight_decay: float = 0.8        # loss weight of step k: decay**k
     ttt_ramp: float = 0.0                 # depth curriculum: the unroll grows from 1 step to
                                           # ttt_steps over this share of the training (0 = off)
+    deep_fraction: float = 1.0            # share of positions that run the TTT steps past 0
+                                          # (random each batch; <1 makes deep steps cheaper)
     draft_vocab_size: int = 32000         # reduced draft vocab (<= verifier vocab)
     max_steps: int = 200                  # optimizer steps in total (across resumes)
     max_epochs: int = 1000                # stop after this many passes even if steps remain
@@ -144,6 +146,8 @@ def prepare(cfg: TrainConfig) -> dict:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
+    if not 0 < cfg.deep_fraction <= 1:
+        raise ValueError(f"deep_fraction must be in (0, 1], got {cfg.deep_fraction}")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     manifest = schema.read_manifest(cfg.dataset)
@@ -245,6 +249,7 @@ class MetricSums:
             out[f"{prefix}cond_acc_{i}"] = m["cond_acc_k"][i]
             out[f"{prefix}p_{i}"] = m["p_k"][i]
             out[f"{prefix}loss_{i}"] = m["loss_k"][i]
+            out[f"{prefix}count_{i}"] = m["count"][i]   # positions with a target at step i
         return out
 
 
@@ -309,7 +314,8 @@ def train_loop_per_worker(loop: dict) -> None:
             for g in opt.param_groups:
                 g["lr"] = lr
             with autocast(device, amp_dtype):
-                loss, m = ttt.ttt_loss(model, teacher, b, depth, cfg.step_weight_decay)
+                loss, m = ttt.ttt_loss(model, teacher, b, depth, cfg.step_weight_decay,
+                                       deep_fraction=cfg.deep_fraction)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -486,6 +492,7 @@ def finish(cfg: TrainConfig, setup: dict, weights: dict, state: dict) -> None:
     final = next((m for m in reversed(state["history"]) if "eval/accept_len" in m),
                  state["history"][-1] if state["history"] else {})
     meta = {"ttt_steps": cfg.ttt_steps, "step_weight_decay": cfg.step_weight_decay,
+            "deep_fraction": cfg.deep_fraction,
             "steps": state["step"], "dataset": cfg.dataset,
             "dataset_manifest_hash": setup["manifest_hash"],
             "verifier": cfg.verifier,

@@ -12,6 +12,9 @@ Attention of step k: the query at t sees the step-0 keys causally (positions <= 
 of steps 1..k at the same position t (the "diagonal"), one joint softmax. That is one S×S block
 plus k diagonal terms per step; the attention core is recomputed in backward (activation
 checkpointing), so no S×S tensor is kept per step and memory grows linearly with K.
+Deep selection (deep_fraction < 1): steps 1..K-1 at position t depend only on the step-0 keys
+and on t's own chain, so they can run on a random share of the positions: each deep step then
+costs ~that share, with its loss an unbiased estimate of the full one (step 0 runs everywhere).
 Loss: soft cross-entropy against p_teacher on the valid positions of each step (mean), total
 Σ_k w^k loss_k / Σ_k w^k; lm_head + log_softmax run on gathered valid rows only, in checkpointed
 chunks, so no [S, Vd] fp32 logits are held per step.
@@ -49,15 +52,17 @@ def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 ATTN_BLOCK = 256  # query rows per block: a block's scores stop at its last key (skips ~40%)
 
 
-def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-            *diag: torch.Tensor) -> torch.Tensor:
-    """Joint softmax over the step-0 keys (causal; `hidden_keys` [B, 1, 1, S, S] True = masked)
-    and the diagonal keys of steps 1..k. q [B, nh, S, D]; k0, v0 and each diagonal k/v
-    [B, nkv, S, D]; diag = (k_1..k_k, v_1..v_k). Returns [B, S, nh*D].
-    Queries go in blocks of ATTN_BLOCK rows that score only the keys up to the block's end. The
-    softmax is written out (shared row max, exp, one normalization after the value sums), in
-    place on the fresh score matrix, so no S×S tensor is concatenated, sliced or copied."""
-    b, nh, s, d = q.shape
+def _attend(hidden_keys: torch.Tensor, key_limit: tuple, q: torch.Tensor, k0: torch.Tensor,
+            v0: torch.Tensor, *diag: torch.Tensor) -> torch.Tensor:
+    """Joint softmax over the step-0 keys (causal; `hidden_keys` [B, 1, 1, Q, S] True = masked)
+    and the diagonal keys of steps 1..k. q [B, nh, Q, D] (Q = S, or the positions a deep
+    selection kept); k0, v0 [B, nkv, S, D]; each diagonal k/v [B, nkv, Q, D]; diag = (k_1..k_k,
+    v_1..v_k). key_limit[i]: step-0 keys query row i (and every row before it) needs. Returns
+    [B, Q, nh*D]. Queries go in blocks of ATTN_BLOCK rows that score only the keys up to the
+    block's limit. The softmax is written out (shared row max, exp, one normalization after the
+    value sums), in place on the fresh score matrix, so no S×S tensor is concatenated, sliced or
+    copied."""
+    b, nh, s, d = q.shape                               # s: query rows
     nkv = k0.shape[1]
     g = nh // nkv                                       # query heads per kv head (GQA)
     kd, vd = diag[:len(diag) // 2], diag[len(diag) // 2:]
@@ -66,12 +71,12 @@ def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: to
     outs = []
     for start in range(0, s, ATTN_BLOCK):
         end = min(s, start + ATTN_BLOCK)
-        n = end - start
+        n, keys = end - start, key_limit[end - 1]
         qb = qg[:, :, :, start:end]                                        # [B, nkv, g, n, D]
-        scores = (qb.reshape(b, nkv, g * n, d) @ k0[:, :, :end].transpose(-1, -2)).to(acc)
-        # scores [B, nkv, g*n, end]: rows r*n + i = query head kv*g + r at position start + i
-        hide = hidden_keys[..., start:end, :end].expand(b, 1, g, n, end)   # [B, 1, g, n, end]
-        hide = hide.reshape(b, 1, g * n, end)                              # [B, 1, g*n, end]
+        scores = (qb.reshape(b, nkv, g * n, d) @ k0[:, :, :keys].transpose(-1, -2)).to(acc)
+        # scores [B, nkv, g*n, keys]: rows r*n + i = query head kv*g + r at query row start + i
+        hide = hidden_keys[..., start:end, :keys].expand(b, 1, g, n, keys)  # [B, 1, g, n, keys]
+        hide = hide.reshape(b, 1, g * n, keys)                             # [B, 1, g*n, keys]
         scores.masked_fill_(hide, float("-inf"))                           # [B, nkv, g*n, end]
         with torch.no_grad():                           # a constant shift: exact gradients
             row_max = scores.amax(-1, keepdim=True)                        # [B, nkv, g*n, 1]
@@ -79,9 +84,9 @@ def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: to
             diagonal = torch.stack([(qb * kj[:, :, None, start:end]).sum(-1) for kj in kd], -1)
             diagonal = diagonal.reshape(b, nkv, g * n, len(kd)).to(acc)    # [B, nkv, g*n, k]
             row_max = torch.maximum(row_max, diagonal.detach().amax(-1, keepdim=True))
-        e = scores.sub_(row_max).exp_()                 # [B, nkv, g*n, end]; masked -> 0
+        e = scores.sub_(row_max).exp_()                 # [B, nkv, g*n, keys]; masked -> 0
         total = e.sum(-1, keepdim=True)                                    # [B, nkv, g*n, 1]
-        out = (e.to(v0.dtype) @ v0[:, :, :end]).to(acc)                    # [B, nkv, g*n, D]
+        out = (e.to(v0.dtype) @ v0[:, :, :keys]).to(acc)                   # [B, nkv, g*n, D]
         if kd:
             ed = (diagonal - row_max).exp()                                # [B, nkv, g*n, k]
             total = total + ed.sum(-1, keepdim=True)
@@ -91,14 +96,15 @@ def _attend(hidden_keys: torch.Tensor, q: torch.Tensor, k0: torch.Tensor, v0: to
                 out = out + w * vj[:, :, None, start:end]                  # [B, nkv, g, n, D]
         out = out.reshape(b, nkv, g * n, d) / total                        # [B, nkv, g*n, D]
         outs.append(out.view(b, nkv, g, n, d))                             # [B, nkv, g, n, D]
-    out = torch.cat(outs, dim=3).to(q.dtype)                               # [B, nkv, g, S, D]
-    return out.reshape(b, nh, s, d).transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*D]
+    out = torch.cat(outs, dim=3).to(q.dtype)                               # [B, nkv, g, Q, D]
+    return out.reshape(b, nh, s, d).transpose(1, 2).reshape(b, s, nh * d)  # [B, Q, nh*D]
 
 
 class DiagonalAttention:
     """The `attend(q, k, v)` of Eagle3Drafter.forward for one TTT unroll. Its first call (step 0)
     stores the step-0 keys/values; call k appends step k's as diagonal terms. Holds references
-    only: no growing concatenation of keys across positions."""
+    only: no growing concatenation of keys across positions. After `select`, the later steps run
+    on a subset of the query positions only."""
 
     def __init__(self, attention_mask: torch.Tensor, checkpoint_core: bool = True):
         s = attention_mask.shape[1]
@@ -106,11 +112,22 @@ class DiagonalAttention:
         causal = idx[None, :] <= idx[:, None]                              # [S, S] key <= query
         # Padded keys hidden too; a query always sees its own position, so no row is empty.
         allowed = (causal & attention_mask.bool()[:, None, :]) | (idx[None, :] == idx[:, None])
+        self.allowed = allowed                                             # [B, S, S]
         self.hidden_keys = ~allowed[:, None, None]                         # [B, 1, 1, S, S]
+        self.key_limit = tuple(range(1, s + 1))         # query row t needs the keys 0..t
         self.checkpoint_core = checkpoint_core
         self.k0 = self.v0 = None
         self.kd: list[torch.Tensor] = []
         self.vd: list[torch.Tensor] = []
+
+    def select(self, sel: torch.Tensor) -> None:
+        """From the next step on, the queries are the positions sel [B, n] (ascending per row;
+        after step 0, before any diagonal step)."""
+        assert self.k0 is not None and not self.kd, "select between step 0 and step 1"
+        s = self.allowed.shape[-1]
+        rows = self.allowed.gather(1, sel[:, :, None].expand(-1, -1, s))  # [B, n, S]
+        self.hidden_keys = ~rows[:, None, None]                            # [B, 1, 1, n, S]
+        self.key_limit = tuple((sel.amax(0) + 1).tolist())  # rows ascending: nondecreasing
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k0 is None:
@@ -118,7 +135,7 @@ class DiagonalAttention:
         else:
             self.kd.append(k)
             self.vd.append(v)
-        args = (self.hidden_keys, q, self.k0, self.v0, *self.kd, *self.vd)
+        args = (self.hidden_keys, self.key_limit, q, self.k0, self.v0, *self.kd, *self.vd)
         if self.checkpoint_core and torch.is_grad_enabled():
             return checkpoint(_attend, *args, use_reentrant=False)
         return _attend(*args)
@@ -154,8 +171,24 @@ def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, p_rows: torch.
     return total, torch.cat(preds)
 
 
+def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
+    """The positions that run TTT steps 1..K-1: in each row, a uniform random `fraction`
+    (rounded up) of its `useful` positions ([B, S] bool: some step past 0 has a target there).
+    -> sel [B, n] (ascending per row; n = the largest row's share) and keep [B, n] (False on the
+    padding of rows with a smaller share)."""
+    b, s = useful.shape
+    want = (useful.sum(1).double() * fraction).ceil().long()               # [B]
+    n = max(1, int(want.max()))
+    u = torch.rand(b, s, generator=generator).to(useful.device)            # [B, S]
+    order = u.masked_fill(~useful, 2.0).argsort(1)[:, :n]  # useful first, in random order
+    keep = torch.arange(n, device=useful.device)[None] < want[:, None]     # [B, n]
+    sel, perm = order.sort(1)
+    return sel, keep.gather(1, perm)
+
+
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
-             chunk_size: int = 512, checkpoint_attention: bool = True):
+             chunk_size: int = 512, checkpoint_attention: bool = True,
+             deep_fraction: float = 1.0, generator=None):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -165,9 +198,15 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     metrics (plain floats/lists, per step k): loss_k, acc_k, cond_acc_k (among positions whose
     steps 0..k-1 were valid and correct), p_k (steps 0..k all correct, over positions valid at
     all of 0..k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive COUNT_KEYS sums that
-    `aggregate_metrics` combines across batches/workers."""
+    `aggregate_metrics` combines across batches/workers.
+    deep_fraction < 1: steps 1..K-1 run on that share of the positions only (`deep_selection`,
+    drawn from `generator`); step 0 always runs on all of them. Step k's loss stays the mean over
+    its valid positions, now a uniform sample of them: an unbiased estimate at ~fraction of the
+    cost of each deep step. The metrics of deep steps then count the sampled positions."""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    if not 0 < deep_fraction <= 1:
+        raise ValueError(f"deep_fraction must be in (0, 1], got {deep_fraction}")
     drafter = getattr(model, "module", model)
     dtype = drafter.fc.weight.dtype
     ids = batch["input_ids"].long()                                        # [B, S]
@@ -193,10 +232,13 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
     window = torch.ones(b, s, dtype=torch.bool, device=ids.device)         # steps <= k all valid
     sums = {key: [] for key in COUNT_KEYS}
+    sel = keep = None                                  # the deep selection, once made
     for k in range(ttt_steps):
         tokens = shift_left(ids, 1 + k, 0)                                 # [B, S] token t+1+k
-        hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S, H]
         rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
+        if sel is not None:                                                # [B, n] from here on
+            tokens, rows = tokens.gather(1, sel), rows.gather(1, sel).masked_fill(~keep, -1)
+        hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
         loss_sum, pred = _step_loss(drafter, hidden, rows, p_rows, chunk_size)
         valid = rows >= 0
         losses.append(loss_sum / valid.sum().clamp(min=1))
@@ -211,6 +253,14 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             chain = chain & ok
             sums["all_correct"].append(chain.sum())
             sums["loss_sum"].append(loss_sum.detach().double())
+        if k == 0 and ttt_steps > 1 and deep_fraction < 1:
+            useful = torch.zeros_like(valid)
+            for j in range(1, ttt_steps):
+                useful |= shift_left(target_row, 1 + j, -1) >= 0
+            sel, keep = deep_selection(useful, deep_fraction, generator)
+            hidden = hidden.gather(1, sel[..., None].expand(-1, -1, hidden.shape[-1]))
+            positions, chain, window = (x.gather(1, sel) for x in (positions, chain, window))
+            attend.select(sel)
     weights = [step_weight_decay ** k for k in range(ttt_steps)]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
@@ -255,6 +305,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--deep-fraction", type=float, default=1.0)
     a = p.parse_args(argv)
     torch.manual_seed(0)
     c = DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -266,7 +317,7 @@ def main(argv=None):
              "loss_mask": torch.ones(2, a.seq), "attention_mask": torch.ones(2, a.seq),
              "aux_hidden_states": torch.randn(2, a.seq, 3 * c.hidden_size),
              "last_hidden_states": torch.randn(2, a.seq, c.hidden_size)}
-    loss, m = ttt_loss(drafter, teacher, batch, a.ttt_steps)
+    loss, m = ttt_loss(drafter, teacher, batch, a.ttt_steps, deep_fraction=a.deep_fraction)
     loss.backward()
     print(json.dumps({k: m[k] for k in ("loss", "loss_k", "acc_k", "accept_len")}, indent=2))
 

@@ -97,15 +97,19 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
                                                            tmp_path):
     """parallel="fsdp": FSDP2 over gloo, each of the 2 workers holding half of the drafter's
     weights, gradients and AdamW state. The loss falls, eval runs on an unsharded copy, the
-    checkpoint and the exported drafter hold whole tensors, and a rerun resumes."""
+    checkpoint and the exported drafter hold whole tensors, and a rerun resumes. The steps past
+    0 run on half the positions (deep_fraction; eval on all of them)."""
     out = tmp_path / "run"
     run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=16,
-                     checkpoint_every=8, eval_every=16))
+                     checkpoint_every=8, eval_every=16, deep_fraction=0.5))
     hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first = sum(h["train/loss"] for h in hist[:3]) / 3
     last = sum(h["train/loss"] for h in hist[-3:]) / 3
     assert last < 0.9 * first, (first, last)
     assert "eval/acc_0" in hist[-1]
+    # training counted about half the deep positions that eval on the same data would
+    assert hist[-1]["train/count_1"] < 0.8 * hist[-1]["train/count_0"]
+    assert json.loads((out / "drafter" / "meta.json").read_text())["deep_fraction"] == 0.5
     weights = load_file(out / "drafter" / "model.safetensors")
     assert weights["lm_head.weight"].shape == (49152, 64)
     assert weights["midlayer.mlp.down_proj.weight"].shape == (64, 128)
@@ -114,6 +118,8 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
     assert logged_steps(out) == list(range(1, 21))
     with pytest.raises(ValueError, match="parallel must be ddp or fsdp"):
         run_train(config(tiny_verifier, dataset, tmp_path / "x", parallel="zero3"))
+    with pytest.raises(ValueError, match="deep_fraction must be in"):
+        run_train(config(tiny_verifier, dataset, tmp_path / "x", deep_fraction=1.5))
 
 
 def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifier, dataset,

@@ -47,8 +47,10 @@ def tiny(seed=0, dtype=torch.float64):
     return drafter, teacher, batch, full
 
 
-def naive_loss(drafter, batch, full, steps, decay):
-    """Reference: explicit keys of all steps × all positions with a full mask, full logits."""
+def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None):
+    """Reference: explicit keys of all steps × all positions with a full mask, full logits.
+    deep [B, S]: the positions whose steps past 0 count (all if None); counts: a list that gets
+    each step's number of valid positions."""
     c = drafter.config
     ids, att = batch["input_ids"], batch["attention_mask"].bool()
     # teacher over the FULL vocab
@@ -88,6 +90,10 @@ def naive_loss(drafter, batch, full, steps, decay):
         if k + 1 < S:
             tgt[:, :S - 1 - k] = p[:, 1 + k:]
             valid[:, :S - 1 - k] = ok[:, 1 + k:]
+        if deep is not None and k > 0:
+            valid &= deep
+        if counts is not None:
+            counts.append(int(valid.sum()))
         per_pos = -(tgt * logp).sum(-1)
         losses.append((per_pos * valid).sum() / valid.sum().clamp(min=1))
     w = [decay ** k for k in range(steps)]
@@ -123,6 +129,50 @@ def test_matches_naive_reference(steps, block, monkeypatch):
     assert torch.allclose(loss2, ref, rtol=1e-10)
     for n, v in grads(drafter).items():
         assert torch.allclose(v, g_ref[n], rtol=1e-8, atol=1e-11), n
+
+
+@pytest.mark.parametrize("fraction,block", [(0.5, 256), (0.3, 2)])
+def test_deep_selection_matches_the_reference_on_its_positions(fraction, block, monkeypatch):
+    """deep_fraction < 1 runs steps 1..K-1 on a random share of the positions only: loss,
+    gradients and counts equal the full reference restricted to those positions (the other
+    positions' deep chains never touch them). block 2: the subset queries span many blocks."""
+    monkeypatch.setattr(ttt, "ATTN_BLOCK", block)
+    steps = 4
+    drafter, teacher, batch, full = tiny(seed=1)
+    # positions where some step past 0 has a target: the reference's own validity, shifted
+    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], 1e-6) @ full["head"].T
+    ok = batch["loss_mask"].bool() & batch["attention_mask"].bool() & \
+        full["t2d"][logits_full.argmax(-1)]
+    ok[:, 0] = False
+    useful = torch.zeros(B, S, dtype=torch.bool)
+    for k in range(1, steps):
+        useful |= ttt.shift_left(ok, 1 + k, False)
+    sel, keep = ttt.deep_selection(useful, fraction, torch.Generator().manual_seed(7))
+    deep = torch.zeros(B, S, dtype=torch.bool)
+    deep.scatter_(1, sel, keep)
+    assert (deep <= useful).all() and 0 < deep.sum() < useful.sum()
+    assert deep.sum(1).tolist() == [math.ceil(fraction * n) for n in useful.sum(1).tolist()]
+    counts = []
+    ref = naive_loss(drafter, batch, full, steps, 0.8, deep=deep, counts=counts)
+    ref.backward()
+    g_ref = grads(drafter)
+    drafter.zero_grad()
+    loss, m = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, chunk_size=5,
+                           deep_fraction=fraction, generator=torch.Generator().manual_seed(7))
+    loss.backward()
+    assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
+    for n, g in grads(drafter).items():
+        assert torch.allclose(g, g_ref[n], rtol=1e-8, atol=1e-11), n
+    assert m["count"] == counts and counts[1] < naive_count(drafter, batch, full, steps)[1]
+    with pytest.raises(ValueError, match="deep_fraction"):
+        ttt.ttt_loss(drafter, teacher, batch, steps, deep_fraction=0.0)
+
+
+def naive_count(drafter, batch, full, steps):
+    counts = []
+    with torch.no_grad():
+        naive_loss(drafter, batch, full, steps, 0.8, counts=counts)
+    return counts
 
 
 def test_step0_is_plain_causal_forward():
