@@ -208,7 +208,8 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
 def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden: int = 576,
                 seq: int = 1024, draft_vocab: int = 8192, heads: int = 9, kv_heads: int = 3,
                 head_dim: int = 64, intermediate: int = 1536, vocab: int = 49152,
-                steps: int = 3, warmup: int = 1, seed: int = 0, deep_fraction: float = 0.25) -> dict:
+                steps: int = 3, warmup: int = 1, seed: int = 0,
+                deep_fraction: float = 0.25) -> dict:
     """Step time and peak memory of TTT training vs ttt_steps (fp32, CPU, B=1, random weights).
     Peak memory = the process's RSS high-water mark (VmHWM, = ru_maxrss of the fresh process)
     minus its RSS right before the first step: the step's own memory (activations, grads, AdamW

@@ -66,7 +66,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttt-ramp", type=float, default=0.0,
                    help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
     p.add_argument("--deep-fraction", type=float, default=1.0,
-                   help="run TTT steps past 0 on this random share of positions (cheaper deep steps)")
+                   help="run the TTT steps past 0 on this random share of positions (cheaper)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--max-epochs", type=int, default=1000)

@@ -272,14 +272,17 @@ class Eagle3Drafter(nn.Module):
 class Teacher(nn.Module):
     """The verifier's next-token distribution over the draft vocabulary, frozen and not part of
     the drafter's checkpoint: softmax(lm_head[draft rows] · norm(last_hidden)), plus whether the
-    verifier's full-vocab argmax lies in the draft vocab (SpecForge's target mask)."""
+    verifier's full-vocab argmax lies in the draft vocab (SpecForge's target mask).
+    head_rest=None: no rows outside the draft vocab are held (a dataset with target_ids answers
+    that question), which spares the trainer (V-Vd)·H of memory: 1.9 GB in bf16 at Kimi-K2.5's
+    163,840 × 7,168 with a 32k draft vocab (3.8 GB in fp32)."""
 
     def __init__(self, norm_weight: torch.Tensor, head_draft: torch.Tensor,
-                 head_rest: torch.Tensor, eps: float, chunk_size: int = 1024):
+                 head_rest: torch.Tensor | None, eps: float, chunk_size: int = 1024):
         super().__init__()
         self.register_buffer("norm_weight", norm_weight, persistent=False)  # [H]
         self.register_buffer("head_draft", head_draft, persistent=False)    # [Vd, H] draft id order
-        self.register_buffer("head_rest", head_rest, persistent=False)      # [V-Vd, H]
+        self.register_buffer("head_rest", head_rest, persistent=False)      # [V-Vd, H] or None
         self.eps, self.chunk_size = eps, chunk_size
 
     @torch.no_grad()
@@ -290,6 +293,10 @@ class Teacher(nn.Module):
         other rows (a tie counts as inside), so the [N, V] logits are never held, only
         [chunk, V-Vd] at a time. check=False skips that (in_draft all True): the caller knows
         the verifier's argmax from the dataset. Runs in the buffers' dtype, outside autocast."""
+        if check and self.head_rest is None:
+            raise ValueError("this Teacher holds no lm_head rows outside the draft vocab, so it "
+                             "cannot tell whether the verifier's argmax is in it: the batch "
+                             "needs target_ids (a dataset extracted with format_version >= 2)")
         dtype = self.head_draft.dtype
         out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         ps, inside = [], []
@@ -364,11 +371,13 @@ def read_verifier_tensors(spec: str, names, missing_ok: bool = False) -> dict[st
 
 
 def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
-                  dtype: torch.dtype = torch.float32) -> tuple[Eagle3Drafter, Teacher]:
+                  dtype: torch.dtype = torch.float32,
+                  teacher_check: bool = True) -> tuple[Eagle3Drafter, Teacher]:
     """A drafter for the verifier `spec` from its embedding, final norm and lm_head only (tied
     embeddings: no lm_head.weight -> the embedding). The drafter's norm and lm_head start from the
     verifier's (lm_head: the draft vocab's rows); fc and the midlayer are random. Returns
-    (drafter, teacher) — the teacher holds the verifier's norm + lm_head rows for ttt.py."""
+    (drafter, teacher) — the teacher holds the verifier's norm + lm_head rows for ttt.py (the
+    rows outside the draft vocab only with teacher_check: datasets with target_ids skip them)."""
     c = draft_config
     d2t, t2d = torch.as_tensor(d2t, dtype=torch.long), torch.as_tensor(t2d, dtype=torch.bool)
     if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.vocab_size,):
@@ -396,7 +405,8 @@ def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: 
         drafter.lm_head.weight.copy_(head[target_ids])                      # [Vd, H]
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
-    teacher = Teacher(norm.clone(), head[target_ids].clone(), head[~t2d].clone(), c.rms_norm_eps)
+    rest = head[~t2d].clone() if teacher_check else None                   # [V-Vd, H]
+    teacher = Teacher(norm.clone(), head[target_ids].clone(), rest, c.rms_norm_eps)
     return drafter, teacher
 
 

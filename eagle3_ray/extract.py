@@ -285,7 +285,7 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
              run: dict) -> dict:
     """Scan the parts (footers + small columns), verify uniqueness, write manifest.json."""
     fs, root = schema.resolve_fs(cfg.output)
-    files, seen, tokens, loss_tokens, nbytes = [], set(), 0, 0, 0
+    files, seen, tokens, loss_tokens, nbytes, target_ids = [], set(), 0, 0, 0, True
     for path in schema.list_parts(fs, root):
         p = schema.part_stats(fs, path)
         ids = p["sample_ids"]
@@ -297,12 +297,14 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
                       "bytes": p["bytes"]})
         tokens, loss_tokens = tokens + p["tokens"], loss_tokens + p["loss_tokens"]
         nbytes += p["bytes"]
+        target_ids = target_ids and p["target_ids"]
     skipped = collections.Counter(read_stats.skipped)
     skipped.update(run["skipped"])
     summary = {
         "samples": len(seen), "tokens": tokens, "loss_tokens": loss_tokens,
         "skipped": dict(sorted(skipped.items())),
         "bytes": nbytes, "bytes_per_token": nbytes / max(1, tokens),
+        "target_ids": target_ids and bool(files),   # every part stores the verifier's argmax
         "hidden_bytes_per_token": 8 * facts["hidden_size"],
         "this_run": {k: run[k] for k in ("samples", "tokens", "wall_s", "tokens_per_s",
                                          "resumed_samples", "actor_init_s", "actor_batch_s")},

@@ -166,20 +166,28 @@ def read_column(fs: pafs.FileSystem, path: str, column: str) -> list:
 
 
 def part_stats(fs: pafs.FileSystem, path: str) -> dict:
-    """sample ids, token and loss-token counts and size of one part, hidden states unread."""
+    """sample ids, token and loss-token counts, size, and whether it stores target_ids (format
+    >= 2) of one part, hidden states unread."""
     import pyarrow.compute as pc
     with fs.open_input_file(path) as f:
-        t = pq.read_table(f, columns=["sample_id", "num_tokens", "loss_mask"])
+        part = pq.ParquetFile(f)
+        t = part.read(columns=["sample_id", "num_tokens", "loss_mask"])
+        names = part.schema_arrow.names
     return {"sample_ids": t.column("sample_id").to_pylist(),
             "tokens": int(pc.sum(t.column("num_tokens")).as_py() or 0),
             "loss_tokens": int(pc.sum(pc.list_flatten(t.column("loss_mask"))).as_py() or 0),
-            "bytes": fs.get_file_info(path).size}
+            "bytes": fs.get_file_info(path).size, "target_ids": "target_ids" in names}
 
 
 # --- manifest and checks --------------------------------------------------------------------
 
 def manifest_path(uri: str) -> str:
     return uri.rstrip("/") + "/" + MANIFEST
+
+
+def stores_target_ids(manifest: dict) -> bool:
+    """Every part of the dataset has the target_ids column (extraction records it)."""
+    return bool(manifest.get("summary", {}).get("target_ids"))
 
 
 def write_manifest(uri: str, manifest: dict) -> None:

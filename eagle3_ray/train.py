@@ -266,7 +266,8 @@ def train_loop_per_worker(loop: dict) -> None:
     torch.manual_seed(cfg.seed)
     dcfg = draft.DraftConfig(**setup["draft_config"])
     d2t, t2d = mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
-    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d)
+    stored = schema.stores_target_ids(setup["manifest"])  # then no lm_head rows outside Vd
+    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=not stored)
     device = ray.train.torch.get_device()
     amp_dtype = autocast_dtype(cfg.precision, cfg.use_gpu)
     teacher = teacher.to(device, amp_dtype or torch.float32)  # the teacher's matmuls in bf16 too
@@ -582,12 +583,12 @@ def _maybe_die(cfg: TrainConfig, rank: int, step: int) -> None:
 
 # --- offline evaluation ----------------------------------------------------------------------
 
-def load_trained_drafter(drafter_dir: str, spec: str | None = None):
+def load_trained_drafter(drafter_dir: str, spec: str | None = None, teacher_check: bool = False):
     """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier
-    (`spec`, default: the one it was trained with)."""
+    (`spec`, default: the one it was trained with); see draft.build_drafter for teacher_check."""
     state, dcfg, meta = checkpoint.load_drafter(drafter_dir)
     drafter, teacher = draft.build_drafter(spec or meta["verifier"], dcfg, state["d2t"],
-                                           state["t2d"])
+                                           state["t2d"], teacher_check=teacher_check)
     load_weights(drafter, state, drafter_dir)
     return drafter.eval(), teacher, meta
 
@@ -599,7 +600,8 @@ def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: 
     """Held-out per-position metrics of a trained drafter unrolled `depth` steps (deeper than
     it was trained is allowed: that is how extrapolation is measured). One process, no Ray."""
     import pyarrow.parquet as pq
-    drafter, teacher, _ = load_trained_drafter(drafter_dir, spec)
+    stored = schema.stores_target_ids(schema.read_manifest(dataset))
+    drafter, teacher, _ = load_trained_drafter(drafter_dir, spec, teacher_check=not stored)
     amp_dtype = autocast_dtype(precision, False)
     teacher = teacher.to(amp_dtype or torch.float32)
     hidden = drafter.config.hidden_size

@@ -116,6 +116,15 @@ def test_build_reads_only_embed_norm_head(tmp_path, record_reads, tied, shard):
     trainable = {n for n, p in drafter.named_parameters() if p.requires_grad}
     assert trainable == EXPORT_KEYS - {"d2t", "t2d"}
 
+    # teacher_check=False (a dataset with target_ids): no rows outside the draft vocab are held;
+    # the distribution is the same, and asking for the check is a clear error
+    _, lean = draft.build_drafter(str(tmp_path), c, d2t, t2d, teacher_check=False)
+    assert lean.head_rest is None and torch.equal(lean.head_draft, teacher.head_draft)
+    x = torch.randn(5, H)
+    assert torch.equal(lean(x, check=False)[0], teacher(x, check=False)[0])
+    with pytest.raises(ValueError, match="needs target_ids"):
+        lean(x)
+
 
 def test_build_rejects_inconsistent_mapping(tmp_path):
     from transformers import AutoConfig

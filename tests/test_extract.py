@@ -97,6 +97,11 @@ def test_hidden_states_equal_plain_forward(ray_cluster, tiny_verifier, tiny_toke
     assert s["loss_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
     assert s["skipped"] == {"no_assistant_turn": 1, "empty": 1, "unknown_role": 1}
     assert s["hidden_bytes_per_token"] == 8 * h
+    assert s["target_ids"] is True and schema.stores_target_ids(manifest)
+    # a format-1 part (no target_ids) is told apart, so a trainer keeps the full-vocab check
+    old = tmp_path / "format1.parquet"
+    pq.write_table(pq.read_table(schema.list_parts(fs, root)[0]).drop_columns(["target_ids"]), old)
+    assert schema.part_stats(fs, str(old))["target_ids"] is False
     assert sorted(os.listdir(out)) == ["manifest.json"] + [f["name"] for f in manifest["files"]]
 
     # a rerun finds everything done and changes nothing
