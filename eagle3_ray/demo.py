@@ -2,10 +2,11 @@
 
 All artifacts go to one run directory (data/, train/, report.json, report.png). Extraction and
 training resume, so a rerun reuses finished stages; `fresh` starts over. The serving stage
-deploys the Ray Serve app (serve.py) with the trained drafter, sends the same held-out prompts
-greedily at depth 0 and at the drafter's depth through HTTP (interleaved, one at a time), and
-reports per-position acceptance (from the server's /metrics), acceptance length, tokens/s with
-and without speculation, and whether the outputs are identical.
+deploys the Ray Serve app (serve.py) with the trained drafter and dynamic depth, sends the same
+held-out prompts greedily at depth 0, at the drafter's depth and with no depth (the planner picks
+each round's depth from this replica's measured costs) through HTTP (interleaved, one at a time),
+and reports per-position acceptance (from the server's /metrics), acceptance length, tokens/s
+of each arm, and whether the outputs are identical.
 
     eagle3-ray demo --samples 32 --train-minutes 1 --prompts 2     # a quick CPU run
 """
@@ -46,7 +47,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     if not os.path.isfile(os.path.join(train_dir, "drafter", "meta.json")):
         run_train(TrainConfig(
             dataset=data_dir, output=train_dir, ttt_steps=cfg.ttt_steps, ttt_ramp=0.5,
-            draft_vocab_size=8192, max_steps=1_000_000, max_minutes=cfg.train_minutes,
+            deep_fraction=0.25, draft_vocab_size=8192, max_steps=1_000_000, max_minutes=cfg.train_minutes,
             batch_size=4, max_seq_len=cfg.max_length, lr=1e-3, warmup_steps=20, eval_every=0,
             log_every=25, checkpoint_every=100, num_workers=2, cpus_per_worker=0.5), cfg.address)
     t2 = time.perf_counter()
@@ -73,19 +74,22 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
     meta = json.load(open(os.path.join(drafter_dir, "meta.json")))
     depth = cfg.depth or meta["ttt_steps"]
     scfg = serve.ServeConfig(drafter=drafter_dir, depth=depth, max_depth=max(16, depth),
-                             cpus_per_replica=1, torch_threads=2, port=_free_port(),
-                             max_model_len=2048)
+                             dynamic_depth=True, cpus_per_replica=1, torch_threads=2,
+                             port=_free_port(), max_model_len=2048)
     url = serve.start(scfg, cfg.address, name="demo")
     try:
         tok = verifier.load_tokenizer(scfg.verifier)
         prompts = [tok.decode(p) for p in bench.heldout_prompts(tok, cfg.prompts + 1)]
-        runs = {0: [], depth: []}
+        arms = [0, depth, "dynamic"]                  # "dynamic": no speculation_depth sent
+        runs = {d: [] for d in arms}
         for i, prompt in enumerate(prompts):          # prompt 0 warms the replica up
-            for d in ((0, depth) if i % 2 else (depth, 0)):
+            for d in arms[i % 3:] + arms[:i % 3]:     # rotating order: noise hits all arms
+                body = {"model": scfg.model_name, "prompt": prompt,
+                        "max_tokens": cfg.max_tokens, "temperature": 0}
+                if d != "dynamic":
+                    body["speculation_depth"] = d
                 t0 = time.perf_counter()
-                r = requests.post(f"{url}/v1/completions", timeout=600, json={
-                    "model": scfg.model_name, "prompt": prompt, "max_tokens": cfg.max_tokens,
-                    "temperature": 0, "speculation_depth": d})
+                r = requests.post(f"{url}/v1/completions", timeout=600, json=body)
                 r.raise_for_status()
                 if i:
                     runs[d].append((r.json(), time.perf_counter() - t0))
@@ -104,10 +108,13 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
         rounds = sum(s["rounds"] for s in spec)
         report[f"depth_{d}"] = {
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "acceptance_length": (sum(s["accepted_tokens"] for s in spec) + rounds) / max(1, rounds)}
-    report["speedup"] = report[f"depth_{depth}"]["tokens_per_s"] / report["depth_0"]["tokens_per_s"]
-    report["identical_outputs"] = [a["choices"][0]["text"] for a, _ in runs[0]] == \
-        [b["choices"][0]["text"] for b, _ in runs[depth]]
+            "acceptance_length": (sum(s["accepted_tokens"] for s in spec) + rounds) / max(1, rounds),
+            "mean_depth": sum(s["drafted_tokens"] for s in spec) / max(1, rounds)}
+    base = report["depth_0"]["tokens_per_s"]
+    report["speedup"] = report[f"depth_{depth}"]["tokens_per_s"] / base
+    report["speedup_dynamic"] = report["depth_dynamic"]["tokens_per_s"] / base
+    texts = {d: [b["choices"][0]["text"] for b, _ in rs] for d, rs in runs.items()}
+    report["identical_outputs"] = texts[0] == texts[depth] == texts["dynamic"]
     # per-position acceptance over every request this server answered (warm-up included)
     report["acceptance_by_position"] = [
         m.get(f'eagle3_ray_accepted_at_position_total{{position="{k}"}}', 0)
@@ -124,9 +131,11 @@ def print_report(r: dict, run_dir: str) -> None:
         f"{k}: {a:.2f}" for k, a in enumerate(r["acceptance_by_position"])))
     print(f"[demo] acceptance length at depth {d}: {r[f'depth_{d}']['acceptance_length']:.2f} "
           f"tokens per verify round")
+    dyn = r["depth_dynamic"]
     print(f"[demo] tokens/s over HTTP: depth 0 {r['depth_0']['tokens_per_s']:.1f}, depth {d} "
-          f"{r[f'depth_{d}']['tokens_per_s']:.1f} -> speedup x{r['speedup']:.2f}; greedy outputs "
-          f"identical: {r['identical_outputs']}")
+          f"{r[f'depth_{d}']['tokens_per_s']:.1f} (x{r['speedup']:.2f}), dynamic depth "
+          f"{dyn['tokens_per_s']:.1f} (x{r['speedup_dynamic']:.2f}, mean depth "
+          f"{dyn['mean_depth']:.1f}); greedy outputs identical: {r['identical_outputs']}")
     w = r["wall_s"]
     print(f"[demo] wall: extract {w['extract']:.0f}s, train {w['train']:.0f}s, serve "
           f"{w['serve']:.0f}s; report: {run_dir}/report.json, {run_dir}/report.png")
@@ -142,10 +151,12 @@ def plot_report(r: dict, path: str) -> None:
     a1.bar(range(len(acc)), acc, color="#37a")
     a1.set_xlabel("draft position"), a1.set_ylabel("accepted / drafted"), a1.set_ylim(0, 1)
     a1.set_title(f"served acceptance, depth {d}")
-    tps = [r["depth_0"]["tokens_per_s"], r[f"depth_{d}"]["tokens_per_s"]]
-    a2.bar(["depth 0", f"depth {d}"], tps, color=["#999", "#a52"])
+    tps = [r[f"depth_{k}"]["tokens_per_s"] for k in (0, d, "dynamic")]
+    names = ["depth 0", f"depth {d}", f"dynamic\n(mean {r['depth_dynamic']['mean_depth']:.1f})"]
+    a2.bar(names, tps, color=["#999", "#a52", "#3a7"])
     a2.set_ylabel("tokens/s (HTTP, greedy)")
-    a2.set_title(f"speedup x{r['speedup']:.2f}, identical: {r['identical_outputs']}")
+    a2.set_title(f"x{r['speedup']:.2f} / x{r['speedup_dynamic']:.2f} dynamic, "
+                 f"identical: {r['identical_outputs']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
