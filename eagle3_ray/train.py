@@ -339,7 +339,10 @@ def train_loop_per_worker(loop: dict) -> None:
             break  # max_steps reached mid-epoch
         if out_of_time:
             break
-        if state["step"] == steps_before:
+        # A resumed epoch skips the samples its checkpoint saw; the rows the workers get after a
+        # restart may differ, so one can run dry at once: that ends the epoch, it is no error.
+        # (Its unseen rest then waits for the next epoch.)
+        if state["step"] == steps_before and not seen:
             raise ValueError(f"{cfg.dataset}: no training samples reached the workers "
                              "(empty dataset or eval_fraction too large)")
         state["epoch"] += 1

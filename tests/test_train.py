@@ -93,6 +93,22 @@ def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tiny_verifier, 
     assert json.loads((out / "drafter" / "meta.json").read_text())["steps"] == 11
 
 
+def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(ray_cluster, tiny_verifier, dataset,
+                                                         tmp_path):
+    """A checkpoint taken after the last batch of an epoch (every sample of it seen) resumes into
+    the next epoch. (A restarted worker group can also get rows that were all seen; that once
+    failed as "no training samples reached the workers".)"""
+    one = tmp_path / "one"
+    run_train(config(tiny_verifier, dataset, one, max_steps=100, max_epochs=1))
+    per_epoch = json.loads((one / "drafter" / "meta.json").read_text())["steps"]
+    out = tmp_path / "run"
+    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch))  # stops on the last batch
+    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2))
+    hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [h["step"] for h in hist] == list(range(1, per_epoch + 3))
+    assert hist[per_epoch - 1]["epoch"] == 0 and hist[-1]["epoch"] == 1
+
+
 def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_verifier, dataset,
                                                            tmp_path):
     """parallel="fsdp": FSDP2 over gloo, each of the 2 workers holding half of the drafter's
