@@ -47,7 +47,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     if not os.path.isfile(os.path.join(train_dir, "drafter", "meta.json")):
         run_train(TrainConfig(
             dataset=data_dir, output=train_dir, ttt_steps=cfg.ttt_steps, ttt_ramp=0.5,
-            deep_fraction=0.25, draft_vocab_size=8192, max_steps=1_000_000, max_minutes=cfg.train_minutes,
+            deep_fraction=0.25, draft_vocab_size=8192, max_steps=1_000_000,
+            max_minutes=cfg.train_minutes,
             batch_size=4, max_seq_len=cfg.max_length, lr=1e-3, warmup_steps=20, eval_every=0,
             log_every=25, checkpoint_every=100, num_workers=2, cpus_per_worker=0.5), cfg.address)
     t2 = time.perf_counter()

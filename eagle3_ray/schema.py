@@ -15,9 +15,9 @@ A dataset is a directory (local path or any URI pyarrow's filesystems take) hold
 
 That is 8·H bytes per token of hidden states, the floor for lossless bf16, in plain Arrow types
 any Parquet reader understands; target_ids adds 4 and spares the trainer the full-vocab lm_head
-(its teacher then needs only the draft-vocab rows). Dataset-level facts (verifier, layer ids and their convention,
-dtype, chat template hash, ...) sit in each file's key-value metadata under b"eagle3_ray" and in
-manifest.json, which also holds the extraction summary.
+(its teacher then needs only the draft-vocab rows). Dataset-level facts (verifier, layer ids and
+their convention, dtype, chat template hash, ...) sit in each file's key-value metadata under
+b"eagle3_ray" and in manifest.json, which also holds the extraction summary.
 
     python -c "import eagle3_ray.schema as s; print(s.read_manifest('runs/demo/data')['summary'])"
 """

@@ -77,7 +77,7 @@ def _attend(hidden_keys: torch.Tensor, key_limit: tuple, q: torch.Tensor, k0: to
         # scores [B, nkv, g*n, keys]: rows r*n + i = query head kv*g + r at query row start + i
         hide = hidden_keys[..., start:end, :keys].expand(b, 1, g, n, keys)  # [B, 1, g, n, keys]
         hide = hide.reshape(b, 1, g * n, keys)                             # [B, 1, g*n, keys]
-        scores.masked_fill_(hide, float("-inf"))                           # [B, nkv, g*n, end]
+        scores.masked_fill_(hide, float("-inf"))                           # [B, nkv, g*n, keys]
         with torch.no_grad():                           # a constant shift: exact gradients
             row_max = scores.amax(-1, keepdim=True)                        # [B, nkv, g*n, 1]
         if kd:

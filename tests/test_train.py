@@ -123,7 +123,7 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
     last = sum(h["train/loss"] for h in hist[-3:]) / 3
     assert last < 0.9 * first, (first, last)
     assert "eval/acc_0" in hist[-1]
-    # training counted about half the deep positions that eval on the same data would
+    # the deep step trained on about half the positions step 0 did
     assert hist[-1]["train/count_1"] < 0.8 * hist[-1]["train/count_0"]
     assert json.loads((out / "drafter" / "meta.json").read_text())["deep_fraction"] == 0.5
     weights = load_file(out / "drafter" / "model.safetensors")
