@@ -93,7 +93,12 @@ def load_config(spec: str):
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 runs ~3x
-    faster than fp32 and a verifier forward costs almost the same for 1 or 17 tokens."""
+    faster than fp32 and a verifier forward costs almost the same for 1 or 17 tokens.
+    $EAGLE3_RAY_NATIVE_BF16=0/1 overrides the detection: 0 with ATEN_CPU_CAPABILITY=avx2
+    MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 emulates an AVX2-only host."""
+    forced = os.environ.get("EAGLE3_RAY_NATIVE_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
     return any(getattr(torch.cpu, f, lambda: False)()
                for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
