@@ -752,8 +752,9 @@ def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: floa
 def measure_speculator(dec, max_tokens: int = 33, context: int = 256, reps: int = 5,
                        warmup: int = 1) -> tuple[dict[int, float], float]:
     """A Speculator's own verify call over 1..max_tokens tokens after a `context`-token KV
-    cache, and one draft step (medians, ms) -> (verify_ms, draft_step_ms). Any simulated
-    interconnect of `dec` is left out: a profile's verify_ms is compute only."""
+    cache, and one draft step (medians, ms) -> (verify_ms, draft_step_ms). The token counts
+    are timed round robin, `warmup + reps` rounds. Any simulated interconnect of `dec` is left
+    out: a profile's verify_ms is compute only."""
     import torch
     sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
@@ -789,12 +790,16 @@ def _time_speculator(dec, drafter, ids, max_tokens, context, reps, warmup, sync)
     with torch.inference_mode():
         cache = DynamicCache()
         _, aux = dec._verify(ids[:context], cache)                         # aux [1, ctx, 3H]
-        verify_ms = {}
-        for t in range(1, max_tokens + 1):
-            def step(t=t):
+        samples = {t: [] for t in range(1, max_tokens + 1)}
+        for _ in range(warmup + reps):     # round robin over the token counts: a slow stretch
+            for t in samples:              # of a shared machine hits all of them alike
+                sync()
+                t0 = time.perf_counter()
                 dec._verify(ids[context:context + t], cache)
                 cache.crop(-t)                                             # back to the context
-            verify_ms[t] = timed(step, reps)
+                sync()
+                samples[t].append(time.perf_counter() - t0)
+        verify_ms = {t: statistics.median(x[warmup:]) * 1e3 for t, x in samples.items()}  # ms
         kv = speculate.DraftKV()
         h, logits_d = dec._draft_step(ids[1:context + 1], aux, kv)        # absorb the context
         tok = int(drafter.draft_to_target(logits_d.argmax()))

@@ -73,6 +73,11 @@ class DraftKV:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         b, nh, s, d = q.shape
         keys, values = self.k, self.v
+        if s == 1:                        # a draft step: its one query sees every cached key
+            nkv = keys.shape[1]
+            rows = q.reshape(nkv, nh // nkv, d)                          # [nkv, g, D], GQA
+            p = ((rows @ keys[0].transpose(-1, -2)).float() * d ** -0.5).softmax(-1)  # [nkv, g, L]
+            return (p.to(values.dtype) @ values[0]).reshape(b, 1, nh * d)          # [1, 1, nh*D]
         if nh != keys.shape[1]:                                           # GQA
             keys = keys.repeat_interleave(nh // keys.shape[1], dim=1)     # [1, nh, L, D]
             values = values.repeat_interleave(nh // values.shape[1], dim=1)
@@ -102,7 +107,9 @@ class Speculator:
                  batch_invariant: bool | None = None, simulated_comm=None):
         """The drafter moves to the verifier's device and dtype. batch_invariant (default: when
         the verifier runs in bf16/fp16) makes the verifier's outputs independent of the number
-        of tokens per forward, for exact greedy equality (verifier.make_batch_invariant).
+        of tokens per forward, for exact greedy equality (verifier.make_batch_invariant). Both
+        models' linear layers then run on CPU kernels suited to few rows (verifier.
+        use_few_row_kernels; they keep a packed copy of the weights).
         simulated_comm: a SIMULATION of a multi-GPU node's interconnect, (tokens in a verifier
         forward) -> seconds slept after each forward (planner.comm_s of a node profile)."""
         p = next(model.parameters())
@@ -112,6 +119,10 @@ class Speculator:
             batch_invariant = p.dtype in (torch.bfloat16, torch.float16)
         if batch_invariant:
             verifier_lib.make_batch_invariant(model)
+        else:                                      # fp32: the fastest kernel for each row count
+            verifier_lib.use_few_row_kernels(model)
+        if self.drafter is not None:               # its steps need no invariance
+            verifier_lib.use_few_row_kernels(self.drafter)
         n_layers = model.config.num_hidden_layers
         self.layer_ids = None                      # no drafter: nothing to capture
         if drafter is not None:

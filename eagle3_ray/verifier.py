@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -203,58 +204,139 @@ def capture_hidden_states(model, layer_ids):
             h.remove()
 
 
-ROWWISE_ATTENTION = "eagle3_rowwise"
+INVARIANT_ATTENTION = "eagle3_batch_invariant"
 
 
-def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      **kwargs):
-    """Causal attention for one unpadded sequence, one query row at a time over exactly the keys
-    it sees: a k-token forward runs the same kernels on the same shapes as k one-token forwards.
-    A fused kernel over a masked [q, kv] block does not, and in bf16 that moves logits enough to
-    flip near-tied argmaxes. A prefill (no cache) is shared by every path and stays fused.
+def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None,
+                              dropout=0.0, **kwargs):
+    """Causal attention for one unpadded sequence whose every query row computes what it would
+    in a one-token forward: scores against all cached keys (one matmul per KV head), the keys a
+    row may not see masked to -inf after the matmul, softmax, then probabilities @ values. A
+    masked key adds an exact 0 to each of a row's sums, and the matmuls' per-element results do
+    not depend on how many rows or keys they carry (checked bit for bit on CPU bf16: 2-33
+    rows, 1 and 2 threads; tests/test_speculate.py and tests/test_embedded.py). A fused kernel
+    (SDPA) blocks its softmax over the keys differently per query length and does not. A
+    prefill (no cache) is shared by every path and stays fused.
     query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D] (transformers' interface)."""
     b, nh, q, d = query.shape
     nkv, kv = key.shape[1], key.shape[2]
     if b != 1:
-        raise ValueError(f"{ROWWISE_ATTENTION} attention takes batch 1, got {b}")
+        raise ValueError(f"{INVARIANT_ATTENTION} attention takes batch 1, got {b}")
     if q == kv:                                                # prefill
         key = key.repeat_interleave(nh // nkv, dim=1)
         value = value.repeat_interleave(nh // nkv, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
                                                                scale=scaling)
         return out.transpose(1, 2), None
+    g = nh // nkv                                              # query heads per KV head
     scale = scaling if scaling is not None else d ** -0.5
-    rows = []
-    for i in range(q):
-        n = kv - q + i + 1                                     # keys row i may see
-        qi = query[:, :, i].reshape(1, nkv, nh // nkv, d)      # [1, nkv, g, D]
-        s = (qi @ key[:, :, :n].transpose(-1, -2)).float() * scale     # [1, nkv, g, n]
-        rows.append((s.softmax(-1).to(value.dtype) @ value[:, :, :n]).reshape(1, 1, nh, d))
-    return torch.cat(rows, dim=1), None                        # [1, q, nh, D]
+    rows = query.reshape(nkv, g * q, d)               # row j·q + i: head kv·g + j, token i
+    s = (rows @ key[0].transpose(-1, -2)).float() * scale      # [nkv, g·q, kv]
+    if q > 1:                                                  # token i sees keys 0 .. kv-q+i
+        pos = torch.arange(kv - q, kv, device=query.device).repeat(g)            # [g·q]
+        hidden = torch.arange(kv, device=query.device) > pos[:, None]             # [g·q, kv]
+        s = s.masked_fill(hidden, float("-inf"))
+    out = s.softmax(-1).to(value.dtype) @ value[0]             # [nkv, g·q, D]
+    return out.reshape(1, nh, q, d).transpose(1, 2), None      # [1, q, nh, D]
 
 
-def _two_row_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A one-row input goes through the matmul kernel of several rows (CPU bf16 GEMV and GEMM
-    round differently), so one token's output does not depend on how many share the forward."""
-    if x.shape[:-1].numel() != 1:
-        return torch.nn.functional.linear(x, layer.weight, layer.bias)
-    two = torch.cat([x, x], dim=-2)                            # [.., 2, K]
-    return torch.nn.functional.linear(two, layer.weight, layer.bias)[..., :1, :]
+# Few-row CPU matmuls (a decode step: 1 row, a speculative verify: 2-33). Measured on this
+# project's 2-core AVX512-BF16 CPU and with it capped at AVX2, SmolLM2's 7 linears x 30 layers,
+# 1 thread (eagle3_ray/verify_cost.py measures whole verifies):
+# - F.linear re-lays out a plain weight on every call; oneDNN with the weight packed once
+#   (mkldnn._reorder_linear_weight) is x1.3-1.9 faster in bf16 and, in fp32 from 3 rows on,
+#   x1.2-1.6 (AVX2) / x1.5-2 (AVX512). Its rows agree bit for bit for every row count from 2
+#   on (not 1 vs 2: their blocking differs for K >= 1536), and in bf16 its 1-2 row kernels
+#   are ~7% slower than its 3-4 row ones: batch invariant, fewer rows are padded to 4.
+# - fp32 with 1-2 rows: MKL's W @ x^T streams the weight x1.5 (1 row) / x2.2 (2 rows) faster
+#   than F.linear's x @ W^T (MKL's sgemv; its sgemm for 2-3 rows costs more than for 4).
+# - Below ~64K weight elements the fixed cost per call decides: F.linear ~3 us, oneDNN ~15 us.
+_MKL_FEW_ROWS = 2
+_ONEDNN_MIN_ROWS = 4
+_SMALL_WEIGHT = 1 << 16
+
+
+@functools.lru_cache(maxsize=None)
+def _packable_dtypes() -> tuple:
+    """Weight dtypes oneDNN runs from packed weights on this CPU: fp32, and bf16 where oneDNN
+    has bf16 kernels (probed once; none without oneDNN)."""
+    ok = []
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            if not torch.backends.mkldnn.is_available() or (
+                    dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                continue
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype))
+            torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), packed, None, "none",
+                                               [], "")
+            ok.append(dtype)
+        except (AttributeError, RuntimeError):   # a build without these oneDNN ops
+            pass
+    return tuple(ok)
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [.., s, K] with zero rows appended up to n: [.., max(s, n), K]."""
+    return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if x.shape[-2] < n else x
+
+
+class FewRowLinear:
+    """The forward of one nn.Linear for inference on few rows, through the fastest CPU kernel
+    for the row count (see above). batch_invariant: each row's output is bit for bit the same
+    whatever the number of rows (one oneDNN kernel for all, fewer than 4 rows padded to 4).
+    With gradients, on GPUs, for other dtypes and (not batch invariant) small weights: plain
+    F.linear (batch invariant: one row padded to two, a one-row GEMV rounds differently from a
+    GEMM). The packed copy of the
+    weight is made on first use and again whenever the weight changes (its pointer or version)."""
+
+    def __init__(self, layer: torch.nn.Linear, batch_invariant: bool = False):
+        self.layer, self.batch_invariant = layer, batch_invariant
+        self.packed, self.packed_key = None, None
+
+    def __getstate__(self) -> dict:      # copies and pickles leave the (opaque) packed copy out
+        return {**self.__dict__, "packed": None, "packed_key": None}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, bias = self.layer.weight, self.layer.bias
+        rows, s = x.numel() // x.shape[-1], x.shape[-2]
+        if (torch.is_grad_enabled() or w.device.type != "cpu" or w.dtype not in _packable_dtypes()
+                or (w.numel() < _SMALL_WEIGHT and not self.batch_invariant)):
+            if rows != 1 or not self.batch_invariant:
+                return torch.nn.functional.linear(x, w, bias)
+            return torch.nn.functional.linear(_pad_rows(x, 2), w, bias)[..., :1, :]
+        if rows <= _MKL_FEW_ROWS and w.dtype == torch.float32 and not self.batch_invariant:
+            two = _pad_rows(x, 2).reshape(-1, w.shape[1])                      # [2, K]
+            y = (w @ two.t()).t()[:rows].contiguous()                          # [rows, N]
+            y = y if bias is None else y + bias
+            return y.reshape(*x.shape[:-1], w.shape[0])
+        key = (w.data_ptr(), w._version, w.dtype)
+        if key != self.packed_key:
+            self.packed, self.packed_key = torch.ops.mkldnn._reorder_linear_weight(w.detach()), key
+        if rows < _ONEDNN_MIN_ROWS and self.batch_invariant:
+            x = _pad_rows(x, _ONEDNN_MIN_ROWS)                                 # [.., 4, K]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[
+            ..., :s, :]
+
+
+def use_few_row_kernels(model, batch_invariant: bool = False) -> None:
+    """Route every nn.Linear of `model` through FewRowLinear (for inference: a decoder's decode
+    steps and speculative verifies, a drafter's steps). The packed copies of the weights cost
+    their memory once more."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.forward = FewRowLinear(m, batch_invariant)
 
 
 def make_batch_invariant(model) -> None:
     """Make a batch-1 decoder's per-token outputs independent of how many tokens a forward
     carries, so speculative verification (d+1 tokens) computes bit for bit what plain decoding
     (1 token) does. Needed for exact greedy equality in bf16/fp16; fp32 rounding differences are
-    ~1e-7 and stay below argmax ties in practice. Measured on a 2-core CPU (SmolLM2, bf16): a
-    1-token forward costs the same, each further verified token ~2 ms more than fused attention."""
-    import functools
+    ~1e-7 and stay below argmax ties in practice. Measured on a 2-core AVX512-BF16 CPU (SmolLM2,
+    bf16, 1 thread): see eagle3_ray/verify_cost.py."""
     from transformers import AttentionInterface
-    AttentionInterface.register(ROWWISE_ATTENTION, rowwise_attention)
-    model.set_attn_implementation(ROWWISE_ATTENTION)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.forward = functools.partial(_two_row_linear, m)
+    AttentionInterface.register(INVARIANT_ATTENTION, batch_invariant_attention)
+    model.set_attn_implementation(INVARIANT_ATTENTION)
+    use_few_row_kernels(model, batch_invariant=True)
 
 
 @torch.inference_mode()

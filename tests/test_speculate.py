@@ -105,21 +105,29 @@ def test_drafter_that_matches_the_verifier_gets_every_draft_accepted():
 def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
     """In bf16 a k-token forward rounds differently from k one-token forwards (GEMV vs GEMM,
     fused attention over a masked block); the Speculator makes a bf16 verifier batch invariant
-    (verifier.make_batch_invariant), so greedy stays token-for-token exact."""
+    (verifier.make_batch_invariant: one matmul kernel for every row count, attention masked
+    after the matmuls), so greedy stays token-for-token exact."""
     from transformers import DynamicCache
+    from eagle3_ray import verifier
     model, drafter = tiny_pair(vocab=500)
     model = model.to(torch.bfloat16)
     spec = Speculator(model, drafter)                                    # bf16: invariant
+    assert model.config._attn_implementation == verifier.INVARIANT_ATTENTION
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(isinstance(m.forward, verifier.FewRowLinear) and m.forward.batch_invariant
+               for m in linears)
     prompt = list(range(10, 30))
-    nxt = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    nxt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
     with torch.no_grad():
-        cache = DynamicCache()
-        model(torch.tensor([prompt]), cache=cache)
-        joint = model(nxt, cache=cache).logits                           # [1, 7, V]
-        cache = DynamicCache()
-        model(torch.tensor([prompt]), cache=cache)
-        steps = torch.cat([model(nxt[:, i:i + 1], cache=cache).logits for i in range(7)], 1)
-    assert torch.equal(joint, steps)                                     # bit for bit
+        for context in (prompt[:3], prompt):
+            cache = DynamicCache()
+            model(torch.tensor([context]), cache=cache)
+            steps = torch.cat([model(nxt[:, i:i + 1], cache=cache).logits for i in range(17)], 1)
+            for k in (2, 5, 17):                                         # [1, k, V]
+                cache.crop(-(cache.get_seq_length() - len(context)))
+                assert torch.equal(model(nxt[:, :k], cache=cache).logits, steps[:, :k]), k
+    if torch.bfloat16 in verifier._packable_dtypes():                 # this CPU: oneDNN packed
+        assert all(m.forward.packed is not None for m in linears)
     sp = SamplingParams(max_tokens=40)
     base, _ = run(spec, prompt, sp, 0)
     for depth in (1, 3, 8):
@@ -128,6 +136,33 @@ def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
     out, rounds = run(oracle, prompt, sp, 8)
     assert out == base
     assert all(r.accepted == 8 for r in rounds[1:] if r.finish_reason is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_linear_kernels(dtype):
+    """verifier.FewRowLinear: the layer's own output (up to rounding), rows independent of the
+    row count when batch invariant, a fresh packed copy after the weights change, and plain
+    F.linear (with gradients) when gradients are on."""
+    from eagle3_ray import verifier
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(288, 240, bias=True).to(dtype)            # > verifier._SMALL_WEIGHT
+    x = torch.randn(1, 17, 288, dtype=dtype)
+    fast, inv = verifier.FewRowLinear(layer), verifier.FewRowLinear(layer, batch_invariant=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+        pairs = [inv(x[:, i:i + 2]) for i in range(0, 16, 2)] + [inv(x[:, 15:17])[:, 1:]]
+        two = torch.cat(pairs, 1)                                       # [1, 17, 240], 2 rows each
+        for rows in (1, 2, 3, 5, 17):
+            torch.testing.assert_close(fast(x[:, :rows]).float(), ref[:, :rows], **tol)
+            assert torch.equal(inv(x[:, :rows]), two[:, :rows]), rows
+        assert torch.equal(inv(x[:, 4:5]), two[:, 4:5])                  # a row alone
+        layer.weight.mul_(2.0)                                          # weights change
+        ref2 = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+        torch.testing.assert_close(fast(x[:, :5]).float(), ref2[:, :5], **tol)
+    y = inv(x[:, :3].clone().requires_grad_())                          # gradients on
+    y.sum().backward()
+    assert layer.weight.grad is not None
 
 
 def exact_marginals(model, prompt, temperature, top_p, steps):
