@@ -30,7 +30,8 @@ from eagle3_ray import __version__, data, schema, verifier
 
 SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("tokens", pa.int64()),
                             ("loss_tokens", pa.int64()), ("skipped", pa.string()),
-                            ("seconds", pa.float64()), ("init_s", pa.float64())])
+                            ("seconds", pa.float64()), ("init_s", pa.float64()),
+                            ("regen_tokens", pa.int64()), ("regen_s", pa.float64())])
 
 
 # A custom node-type resource is requested in a sliver: it pins work to the nodes that carry it
@@ -63,6 +64,8 @@ class ExtractConfig:
     regen_temperature: float = 0.0       # 0 = greedy
     regen_top_p: float = 1.0
     regen_seed: int = 0
+    regen_batch: int = 64                # rows per generation batch (regen.BatchGenerator)
+    regen_token_budget: int = 65536      # KV tokens per generation batch: rows x (prompt + new)
     # tests only: "die_once:<marker file>" kills an actor once; "sleep:<s>" slows each batch.
     fault_injection: str = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_FAULT", ""))
 
@@ -116,6 +119,16 @@ def pack_by_token_budget(lengths: list[int], budget: int, max_padding: float = 0
     return groups + ([cur] if cur else [])
 
 
+def regen_start(messages: list[dict]) -> list[dict]:
+    """The conversation regeneration starts from: assistant turns before the first user turn are
+    dropped (there is nothing they answer; system turns are kept). SkipRecord("no_user_turn")
+    if there is no user turn at all."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if first is None:
+        raise data.SkipRecord("no_user_turn")
+    return [m for m in messages[:first] if m["role"] != "assistant"] + messages[first:]
+
+
 class VerifierExtractor:
     """Ray Data actor holding one verifier replica (sharded over its GPUs)."""
 
@@ -131,6 +144,7 @@ class VerifierExtractor:
         self.tok = verifier.load_tokenizer(cfg.verifier)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.device = self.model.base_model.embed_tokens.weight.device
+        self.generator = None  # regen.BatchGenerator, built on the first --regenerate batch
         self.fs, self.root = schema.resolve_fs(cfg.output)
         self.init_s = time.perf_counter() - t0  # reported once, with the first batch
 
@@ -138,8 +152,13 @@ class VerifierExtractor:
         t0 = time.perf_counter()
         rows = batch.to_pylist()
         skipped = collections.Counter()
+        regen_tokens, regen_s = 0, 0.0
         if self.cfg.regenerate:
+            t_regen = time.perf_counter()
+            tokens0 = self.generator.stats.new_tokens if self.generator else 0
             rows = self._regenerate(rows, skipped)
+            regen_tokens = (self.generator.stats.new_tokens if self.generator else 0) - tokens0
+            regen_s = time.perf_counter() - t_regen
         else:
             for r in rows:
                 if r["skip_reason"]:
@@ -168,6 +187,7 @@ class VerifierExtractor:
             "file": [",".join(files)], "samples": [stats["samples"]], "tokens": [stats["tokens"]],
             "loss_tokens": [stats["loss_tokens"]], "skipped": [json.dumps(dict(skipped))],
             "seconds": [time.perf_counter() - t0], "init_s": [self._take_init_s()],
+            "regen_tokens": [regen_tokens], "regen_s": [regen_s],
         }, schema=SUMMARY_SCHEMA)
 
     @staticmethod
@@ -201,37 +221,58 @@ class VerifierExtractor:
 
     def _regenerate(self, rows: list[dict], skipped: collections.Counter) -> list[dict]:
         """Replace every assistant turn by the verifier's own answer, turn by turn, batched
-        across conversations; then tokenize. User turns are kept as they are."""
-        import torch
-        cfg, convs = self.cfg, [json.loads(r["messages_json"]) for r in rows]
+        across conversations (regen.BatchGenerator); then tokenize. User and system turns are
+        kept; assistant turns before the first user turn are dropped (regen_start). A record
+        that fails anywhere here is skipped and counted by reason; it never stops the batch."""
+        cfg, convs, sids = self.cfg, {}, {}
+        for r in rows:  # c -> conversation still being regenerated
+            try:
+                convs[len(sids)] = regen_start(json.loads(r["messages_json"]))
+            except data.SkipRecord as e:
+                skipped[e.args[0]] += 1
+            except Exception as e:  # noqa: BLE001 - one record never stops the job
+                self._regen_failed(r["sample_id"], "while reading messages_json", e, skipped)
+            sids[len(sids)] = r["sample_id"]
         turn = 0
         while True:
-            jobs = []  # (conversation, message index) of each conversation's `turn`-th answer
-            for c, conv in enumerate(convs):
+            jobs, prompts, max_new, seeds = [], [], [], []
+            for c, conv in list(convs.items()):
                 idx = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
-                if turn < len(idx):
-                    jobs.append((c, idx[turn]))
+                if turn >= len(idx):
+                    continue
+                i = idx[turn]
+                try:
+                    enc = data.prompt_ids(self.tok, conv[:i])
+                except Exception as e:  # noqa: BLE001 - e.g. a template refusing the roles
+                    self._regen_failed(sids[c], f"while rendering the prompt of turn {turn}", e,
+                                       skipped)
+                    del convs[c]
+                    continue
+                room = cfg.max_length - len(enc)
+                if room <= 0 and turn == 0:  # not even the first answer fits
+                    skipped["regen_prompt_exceeds_max_length"] += 1
+                    del convs[c]
+                    continue
+                if room <= 0:  # no room left: the conversation ends before this turn
+                    convs[c] = conv[:i]
+                    continue
+                jobs.append((c, i))
+                prompts.append(enc)
+                max_new.append(min(cfg.regen_max_new_tokens, room))
+                # per-row seed: a sample's answer does not depend on which rows share its batch
+                seeds.append(zlib.crc32(f"{cfg.regen_seed}:{sids[c]}:{turn}".encode()))
             if not jobs:
                 break
-            enc = [data.prompt_ids(self.tok, convs[c][:i]) for c, i in jobs]
-            room = [cfg.max_length - len(e) for e in enc]
-            for (c, i), r in zip(jobs, room):
-                if r <= 0:  # no room left: the conversation ends before this turn
-                    convs[c] = convs[c][:i]
-            live = [k for k, r in enumerate(room) if r > 0]
-            budget = max(1, cfg.token_budget // 2)
-            for group in pack_by_token_budget([len(enc[k]) + cfg.regen_max_new_tokens
-                                               for k in live], budget):
-                ks = [live[g] for g in group]
-                torch.manual_seed(cfg.regen_seed + zlib.crc32(rows[jobs[ks[0]][0]]["sample_id"].encode()))
-                texts = self._generate([enc[k] for k in ks], min(cfg.regen_max_new_tokens,
-                                                                 max(room[k] for k in ks)))
-                for k, text in zip(ks, texts):
-                    c, i = jobs[k]
-                    convs[c][i] = {"role": "assistant", "content": text}
+            for (c, i), toks in zip(jobs, self._generate(prompts, max_new, seeds,
+                                                         [sids[c] for c, _ in jobs], skipped)):
+                if toks is None:  # generation failed for this record (counted)
+                    convs.pop(c, None)
+                    continue
+                text = self.tok.decode(toks, skip_special_tokens=True).strip()
+                convs[c][i] = {"role": "assistant", "content": text}
             turn += 1
         out = []
-        for r, conv in zip(rows, convs):
+        for c, conv in convs.items():
             try:
                 if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
                     raise data.SkipRecord("regenerated_empty")
@@ -239,24 +280,45 @@ class VerifierExtractor:
             except data.SkipRecord as e:
                 skipped[e.args[0]] += 1
                 continue
-            out.append({"sample_id": r["sample_id"], "input_ids": ids, "loss_mask": mask})
+            except Exception as e:  # noqa: BLE001
+                self._regen_failed(sids[c], "while tokenizing the result", e, skipped)
+                continue
+            out.append({"sample_id": sids[c], "input_ids": ids, "loss_mask": mask})
         return out
 
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[str]:
-        import torch
-        s = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), s), self.pad_id, dtype=torch.long)  # [B, S] left-padded
-        mask = torch.zeros((len(prompts), s), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, s - len(p):] = torch.tensor(p)
-            mask[i, s - len(p):] = 1
-        sample = self.cfg.regen_temperature > 0
-        gen = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=self.pad_id,
-            **({"temperature": self.cfg.regen_temperature, "top_p": self.cfg.regen_top_p}
-               if sample else {"temperature": None, "top_p": None, "top_k": None}))
-        return [t.strip() for t in self.tok.batch_decode(gen[:, s:], skip_special_tokens=True)]
+    def _generate(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
+                  sids: list[str], skipped: collections.Counter) -> list[list[int] | None]:
+        """New token ids per prompt, batched; if a batch fails, each prompt is retried alone
+        and the ones that still fail come back as None (their records are skipped)."""
+        if self.generator is None:
+            from eagle3_ray import regen
+            self.generator = regen.BatchGenerator(
+                self.model, self.pad_id, verifier.eos_ids(self.model, self.tok),
+                regen.GenerateConfig(temperature=self.cfg.regen_temperature,
+                                     top_p=self.cfg.regen_top_p,
+                                     token_budget=self.cfg.regen_token_budget,
+                                     max_batch=self.cfg.regen_batch))
+        try:
+            return self.generator.generate(prompts, max_new, seeds)
+        except Exception as e:  # noqa: BLE001
+            print(f"[extract] regeneration of {len(prompts)} prompts failed ({type(e).__name__}: "
+                  f"{e}); retrying them one by one")
+        out = []
+        for p, m, s, sid in zip(prompts, max_new, seeds, sids):
+            try:
+                out.append(self.generator.generate([p], [m], [s])[0])
+            except Exception as e:  # noqa: BLE001
+                self._regen_failed(sid, "while generating", e, skipped)
+                out.append(None)
+        return out
+
+    @staticmethod
+    def _regen_failed(sample_id: str, stage: str, error: Exception,
+                      skipped: collections.Counter) -> None:
+        """Count (skip reason `regen_failed`) and log a record regeneration could not use."""
+        print(f"[extract] {sample_id}: regeneration failed {stage}, record skipped "
+              f"({type(error).__name__}: {error})")
+        skipped["regen_failed"] += 1
 
     def _maybe_die(self):
         """Fault injection for tests: kill this actor process once, after the forward and
@@ -298,6 +360,8 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
         tokens, loss_tokens = tokens + p["tokens"], loss_tokens + p["loss_tokens"]
         nbytes += p["bytes"]
         target_ids = target_ids and p["target_ids"]
+    if cfg.regenerate:  # generated tokens over the actors' time inside regeneration
+        run = {**run, "regen_tokens_per_s": run["regen_tokens"] / max(run["regen_s"], 1e-9)}
     skipped = collections.Counter(read_stats.skipped)
     skipped.update(run["skipped"])
     summary = {
@@ -307,7 +371,9 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
         "target_ids": target_ids and bool(files),   # every part stores the verifier's argmax
         "hidden_bytes_per_token": 8 * facts["hidden_size"],
         "this_run": {k: run[k] for k in ("samples", "tokens", "wall_s", "tokens_per_s",
-                                         "resumed_samples", "actor_init_s", "actor_batch_s")},
+                                         "resumed_samples", "actor_init_s", "actor_batch_s",
+                                         "regen_tokens", "regen_s", "regen_tokens_per_s")
+                     if k in run},
     }
     manifest = {"format": schema.FORMAT, "format_version": schema.FORMAT_VERSION,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -340,7 +406,8 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
           f"{len(todo)} to do); skipped while reading: {dict(read_stats.skipped)}")
 
     run = {"samples": 0, "tokens": 0, "skipped": collections.Counter(),
-           "resumed_samples": len(done), "actor_init_s": 0.0, "actor_batch_s": 0.0}
+           "resumed_samples": len(done), "actor_init_s": 0.0, "actor_batch_s": 0.0,
+           "regen_tokens": 0, "regen_s": 0.0}
     if todo:
         ds = build_pipeline(cfg, facts, todo)
         for summary in ds.iter_rows():
@@ -349,6 +416,8 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
             run["skipped"].update(json.loads(summary["skipped"]))
             run["actor_init_s"] += summary["init_s"]
             run["actor_batch_s"] += summary["seconds"]
+            run["regen_tokens"] += summary["regen_tokens"]
+            run["regen_s"] += summary["regen_s"]
     run["wall_s"] = time.perf_counter() - t0
     run["tokens_per_s"] = run["tokens"] / run["wall_s"]
     manifest = finalize(cfg, facts, read_stats, run)
@@ -388,3 +457,6 @@ def print_summary(output: str, manifest: dict) -> None:
     print(f"[extract] this run: {r['samples']} samples, {r['tokens']} tokens in {r['wall_s']:.1f}s "
           f"= {r['tokens_per_s']:.0f} tokens/s; resumed past {r['resumed_samples']}; "
           f"skipped: {s['skipped']}")
+    if "regen_tokens_per_s" in r:
+        print(f"[extract] regenerated {r['regen_tokens']} tokens in {r['regen_s']:.1f}s of actor "
+              f"time = {r['regen_tokens_per_s']:.1f} tokens/s")
