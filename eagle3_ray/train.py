@@ -53,6 +53,9 @@ class TrainConfig:
     deep_fraction: float = 1.0            # share of positions that run the TTT steps past 0
                                           # (random each batch; <1 makes deep steps cheaper)
     draft_vocab_size: int = 32000         # reduced draft vocab (<= verifier vocab)
+    init: str = "verifier"                # verifier: fc passes the highest aux state through and
+                                          # the midlayer starts as that verifier layer
+                                          # (draft.init_from_verifier); random: noise
     max_steps: int = 200                  # optimizer steps in total (across resumes)
     max_epochs: int = 1000                # stop after this many passes even if steps remain
     max_minutes: float = 0                # wall-clock budget of the training loop; 0 = none
@@ -144,6 +147,8 @@ def prepare(cfg: TrainConfig) -> dict:
                  "num_workers", "max_seq_len"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.init not in draft.INIT_MODES:
+        raise ValueError(f"init must be one of {draft.INIT_MODES}, got {cfg.init!r}")
     if cfg.parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
     if not 0 < cfg.deep_fraction <= 1:
@@ -249,6 +254,7 @@ class MetricSums:
             out[f"{prefix}cond_acc_{i}"] = m["cond_acc_k"][i]
             out[f"{prefix}p_{i}"] = m["p_k"][i]
             out[f"{prefix}loss_{i}"] = m["loss_k"][i]
+            out[f"{prefix}in_vocab_{i}"] = m["in_vocab_k"][i]  # targets the drafter can propose
             out[f"{prefix}count_{i}"] = m["count"][i]   # positions with a target at step i
         return out
 
@@ -267,7 +273,8 @@ def train_loop_per_worker(loop: dict) -> None:
     dcfg = draft.DraftConfig(**setup["draft_config"])
     d2t, t2d = mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
     stored = schema.stores_target_ids(setup["manifest"])  # then no lm_head rows outside Vd
-    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=not stored)
+    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=not stored,
+                                           init=cfg.init)
     device = ray.train.torch.get_device()
     amp_dtype = autocast_dtype(cfg.precision, cfg.use_gpu)
     teacher = teacher.to(device, amp_dtype or torch.float32)  # the teacher's matmuls in bf16 too

@@ -6,8 +6,11 @@ Step k = 0..K-1 at position t (all positions of a batch at once):
     RoPE position t + k                      (SpecForge: position_ids + number of cached steps)
     target        p_teacher[t+1+k] = softmax over the draft vocab of the verifier's
                   lm_head[draft rows] · norm(last_hidden[t+1+k])  (predicts token t+2+k)
-    valid         loss_mask[t+1+k] & attention_mask[t+1+k] & t+1+k < S & the verifier's
-                  full-vocab argmax at t+1+k (target_ids, or the teacher's) is in the draft vocab
+    valid         loss_mask[t+1+k] & attention_mask[t+1+k] & t+1+k < S: counted by the metrics
+    learnable     valid & the verifier's full-vocab argmax at t+1+k (target_ids, or the
+                  teacher's) is in the draft vocab: only these carry loss. A valid position
+                  outside the draft vocab is a rejection in any engine (the drafter can never
+                  propose that token), so the metrics count it as wrong, never drop it
 Attention of step k: the query at t sees the step-0 keys causally (positions <= t) plus the keys
 of steps 1..k at the same position t (the "diagonal"), one joint softmax. That is one S×S block
 plus k diagonal terms per step; the attention core is recomputed in backward (activation
@@ -15,7 +18,7 @@ checkpointing), so no S×S tensor is kept per step and memory grows linearly wit
 Deep selection (deep_fraction < 1): steps 1..K-1 at position t depend only on the step-0 keys
 and on t's own chain, so they can run on a random share of the positions: each deep step then
 costs ~that share, with its loss an unbiased estimate of the full one (step 0 runs everywhere).
-Loss: soft cross-entropy against p_teacher on the valid positions of each step (mean), total
+Loss: soft cross-entropy against p_teacher on the learnable positions of each step (mean), total
 Σ_k w^k loss_k / Σ_k w^k; lm_head + log_softmax run on gathered valid rows only, in checkpointed
 chunks, so no [S, Vd] fp32 logits are held per step.
 
@@ -35,10 +38,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 # Per-step sums that aggregate across batches and workers by plain addition.
-#   count: valid positions of step k        correct: valid and argmax == teacher argmax
+#   count: valid positions of step k        correct: valid, in the draft vocab, argmax right
 #   window: valid at every step 0..k        cond_count: valid at k, steps 0..k-1 valid + correct
-#   all_correct: steps 0..k valid + correct  loss_sum: Σ soft cross-entropy over valid positions
-COUNT_KEYS = ("count", "correct", "window", "cond_count", "all_correct", "loss_sum")
+#   all_correct: steps 0..k valid + correct  loss_count: learnable positions (target in vocab)
+#   loss_sum: Σ soft cross-entropy over the learnable positions
+COUNT_KEYS = ("count", "correct", "window", "cond_count", "all_correct", "loss_count",
+              "loss_sum")
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -197,7 +202,8 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     optionally target_ids [B, S] (the verifier's full-vocab argmax; else the teacher finds it).
     metrics (plain floats/lists, per step k): loss_k, acc_k, cond_acc_k (among positions whose
     steps 0..k-1 were valid and correct), p_k (steps 0..k all correct, over positions valid at
-    all of 0..k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive COUNT_KEYS sums that
+    all of 0..k), in_vocab_k (share of valid targets inside the draft vocab: the ceiling of
+    acc_k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive COUNT_KEYS sums that
     `aggregate_metrics` combines across batches/workers.
     deep_fraction < 1: steps 1..K-1 run on that share of the positions only (`deep_selection`,
     drawn from `generator`); step 0 always runs on all of them. Step k's loss stays the mean over
@@ -223,7 +229,9 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     if greedy is not None:                                                 # [M, Vd], [M]
         in_draft = drafter.t2d[greedy[wanted]]
     target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
-    target_row[wanted] = torch.where(in_draft, torch.arange(len(p_rows), device=ids.device), -1)
+    target_row[wanted] = torch.arange(len(p_rows), device=ids.device)      # every valid target
+    learn_row = target_row.clone()                                         # in-vocab ones only
+    learn_row[wanted] = torch.where(in_draft, target_row[wanted], -1)
     teacher_top = p_rows.argmax(-1)                                        # [M]
 
     positions = torch.arange(s, device=ids.device)[None].expand(b, s)     # [B, S]
@@ -236,15 +244,18 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     for k in range(ttt_steps):
         tokens = shift_left(ids, 1 + k, 0)                                 # [B, S] token t+1+k
         rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
+        learn = shift_left(learn_row, 1 + k, -1)                           # [B, S]
         if sel is not None:                                                # [B, n] from here on
-            tokens, rows = tokens.gather(1, sel), rows.gather(1, sel).masked_fill(~keep, -1)
+            tokens = tokens.gather(1, sel)
+            rows = rows.gather(1, sel).masked_fill(~keep, -1)
+            learn = learn.gather(1, sel).masked_fill(~keep, -1)
         hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
-        loss_sum, pred = _step_loss(drafter, hidden, rows, p_rows, chunk_size)
-        valid = rows >= 0
-        losses.append(loss_sum / valid.sum().clamp(min=1))
+        loss_sum, pred = _step_loss(drafter, hidden, learn, p_rows, chunk_size)
+        valid, learnable = rows >= 0, learn >= 0
+        losses.append(loss_sum / learnable.sum().clamp(min=1))
         with torch.no_grad():  # counts stay tensors: one device sync at the end
             ok = torch.zeros_like(valid)
-            ok[valid] = pred == teacher_top[rows[valid]]                   # valid & correct
+            ok[learnable] = pred == teacher_top[learn[learnable]]          # in vocab & correct
             window = window & valid
             sums["count"].append(valid.sum())
             sums["correct"].append(ok.sum())
@@ -252,11 +263,12 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             sums["cond_count"].append((valid & chain).sum())
             chain = chain & ok
             sums["all_correct"].append(chain.sum())
+            sums["loss_count"].append(learnable.sum())
             sums["loss_sum"].append(loss_sum.detach().double())
         if k == 0 and ttt_steps > 1 and deep_fraction < 1:
             useful = torch.zeros_like(valid)
-            for j in range(1, ttt_steps):
-                useful |= shift_left(target_row, 1 + j, -1) >= 0
+            for j in range(1, ttt_steps):         # some deep step has a loss there
+                useful |= shift_left(learn_row, 1 + j, -1) >= 0
             sel, keep = deep_selection(useful, deep_fraction, generator)
             hidden = hidden.gather(1, sel[..., None].expand(-1, -1, hidden.shape[-1]))
             positions, chain, window = (x.gather(1, sel) for x in (positions, chain, window))
@@ -285,8 +297,9 @@ def summarize(sums: dict) -> dict:
         return [x / y if y else 0.0 for x, y in zip(a, c)]
     cond = ratio(sums["all_correct"], sums["cond_count"])
     return {**{key: list(sums[key]) for key in COUNT_KEYS},
-            "loss_k": ratio(sums["loss_sum"], sums["count"]),
+            "loss_k": ratio(sums["loss_sum"], sums["loss_count"]),
             "acc_k": ratio(sums["correct"], sums["count"]),
+            "in_vocab_k": ratio(sums["loss_count"], sums["count"]),
             "cond_acc_k": cond,
             "p_k": ratio(sums["all_correct"], sums["window"]),
             "accept_len": accept_lengths(cond)[-1]}

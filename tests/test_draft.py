@@ -187,3 +187,36 @@ def test_layer_residual_is_the_hidden_input():
     out = m(torch.randint(0, V, (2, 5)), aux, torch.arange(5)[None].expand(2, 5))
     assert torch.allclose(out, m.fuse(aux))
     assert m.logits(out).shape == (2, 5, 16)
+
+
+def test_verifier_init_starts_as_the_verifiers_own_layer(tmp_path):
+    """init="verifier": fc passes the highest aux state through and the midlayer is that
+    verifier layer, so step 0 on the verifier's aux states reproduces the verifier's own
+    output of that layer (here the last layer: the input of the final norm)."""
+    from transformers import AutoConfig
+    from eagle3_ray import verifier
+    model = save_llama(tmp_path, tied=False)
+    c = draft.DraftConfig.from_verifier_config(AutoConfig.from_pretrained(tmp_path), 24, [1, 2, 3])
+    d2t, t2d, _ = mapping(24)
+    drafter, _ = draft.build_drafter(str(tmp_path), c, d2t, t2d, init="verifier")
+    layer = model.model.layers[3]
+    m = drafter.midlayer
+    assert torch.equal(drafter.fc.weight, torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], 1))
+    for x in "qkv":
+        w = getattr(m.self_attn, f"{x}_proj").weight
+        assert torch.equal(w[:, H:], getattr(layer.self_attn, f"{x}_proj").weight)
+        assert not w[:, :H].any()                                   # the embedding half: zero
+    assert torch.equal(m.hidden_norm.weight, layer.input_layernorm.weight)
+    assert torch.equal(m.mlp.down_proj.weight, layer.mlp.down_proj.weight)
+
+    ids = torch.randint(0, V, (1, 10))
+    with torch.no_grad(), verifier.capture_hidden_states(model, [1, 2, 3]) as got:
+        model(input_ids=ids)
+    aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], -1)             # [1, S, 3H]
+    out = drafter(ids, aux, torch.arange(10)[None])                           # [1, S, H]
+    torch.testing.assert_close(out, got["last"], rtol=1e-5, atol=1e-5)
+
+    rand, _ = draft.build_drafter(str(tmp_path), c, d2t, t2d, init="random")
+    assert not torch.equal(rand.fc.weight, drafter.fc.weight)
+    with pytest.raises(ValueError, match="init must be"):
+        draft.build_drafter(str(tmp_path), c, d2t, t2d, init="zeros")

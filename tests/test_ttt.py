@@ -163,7 +163,7 @@ def test_deep_selection_matches_the_reference_on_its_positions(fraction, block, 
     assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
     for n, g in grads(drafter).items():
         assert torch.allclose(g, g_ref[n], rtol=1e-8, atol=1e-11), n
-    assert m["count"] == counts and counts[1] < naive_count(drafter, batch, full, steps)[1]
+    assert m["loss_count"] == counts and counts[1] < naive_count(drafter, batch, full, steps)[1]
     with pytest.raises(ValueError, match="deep_fraction"):
         ttt.ttt_loss(drafter, teacher, batch, steps, deep_fraction=0.0)
 
@@ -215,10 +215,13 @@ def test_stored_target_ids_replace_the_full_vocab_check():
     assert {k: m1[k] for k in ttt.COUNT_KEYS} == {k: m2[k] for k in ttt.COUNT_KEYS}
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
-    # the stored ids decide: mark every target outside the draft vocab -> nothing is valid
+    # the stored ids decide: mark every target outside the draft vocab -> nothing to learn,
+    # and every valid position counts as a rejection (an engine can never accept it)
     outside = torch.nonzero(~full["t2d"])[0, 0].expand(B, S)
-    _, m3 = ttt.ttt_loss(drafter, teacher, {**batch, "target_ids": outside}, 3)
-    assert sum(m3["count"]) == 0
+    loss3, m3 = ttt.ttt_loss(drafter, teacher, {**batch, "target_ids": outside}, 3)
+    assert sum(m3["loss_count"]) == 0 and float(loss3) == 0.0
+    assert m3["count"] == m1["count"] and sum(m3["correct"]) == 0
+    assert m3["acc_k"] == [0.0] * 3 and m3["in_vocab_k"] == [0.0] * 3 and m3["accept_len"] == 1
 
 
 def test_perfect_drafter_accepts_everything():
@@ -249,8 +252,8 @@ def test_metric_counts_match_brute_force():
     # brute force from the naive pieces: per (b, t) the list of (valid, correct) per step
     c = drafter.config
     logits_full = rms_norm(batch["last_hidden_states"], full["norm"], 1e-6) @ full["head"].T
-    ok_pos = batch["loss_mask"].bool() & batch["attention_mask"].bool() & \
-        full["t2d"][logits_full.argmax(-1)]
+    ok_pos = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    in_vocab = full["t2d"][logits_full.argmax(-1)]
     top = logits_full[..., full["target_ids"]].argmax(-1)
     hidden = drafter.fuse(batch["aux_hidden_states"])
     attend = ttt.DiagonalAttention(batch["attention_mask"], checkpoint_core=False)
@@ -261,15 +264,17 @@ def test_metric_counts_match_brute_force():
             hidden = drafter(tok, hidden, torch.arange(S)[None].expand(B, S) + k, attend=attend)
             preds.append(drafter.logits(hidden).argmax(-1))
     count, correct, cond_count, all_correct = [0] * steps, [0] * steps, [0] * steps, [0] * steps
-    window = [0] * steps
+    window, loss_count = [0] * steps, [0] * steps
     for b in range(B):
         for t in range(S):
             chain, all_valid = True, True
             for k in range(steps):
                 u = t + 1 + k
                 valid = u < S and bool(ok_pos[b, u])
-                right = valid and int(preds[k][b, t]) == int(top[b, u])
+                # a target outside the draft vocab is valid but never right
+                right = valid and bool(in_vocab[b, u]) and int(preds[k][b, t]) == int(top[b, u])
                 count[k] += valid
+                loss_count[k] += valid and bool(in_vocab[b, u])
                 correct[k] += right
                 all_valid = all_valid and valid
                 window[k] += all_valid
@@ -278,7 +283,8 @@ def test_metric_counts_match_brute_force():
                 all_correct[k] += chain
     assert m["count"] == count and m["correct"] == correct
     assert m["cond_count"] == cond_count and m["all_correct"] == all_correct
-    assert m["window"] == window
+    assert m["window"] == window and m["loss_count"] == loss_count
+    assert 0 < sum(loss_count) < sum(count)              # both kinds of target occur
     assert m["p_k"] == [a / w if w else 0.0 for a, w in zip(all_correct, window)]
     assert c.draft_vocab_size == VD
     agg = ttt.aggregate_metrics([m, m])
