@@ -1,8 +1,6 @@
 """Benchmarks, measured side by side in one run (these machines are shared and noisy).
 
-bench quality: drafters trained with ttt_steps 1, 4, 8 for the same wall-clock budget on one
-embedded-default dataset (>= 1,000 ShareGPT conversations), evaluated held out at positions
-0-15. Writes <out>/quality.json and <out>/quality.png (see bench_quality).
+bench quality / bench recipe (drafters compared by served acceptance): see quality.py.
 
 bench extract: the Ray Data extraction pipeline against a plain transformers forward loop over
 the same samples (same verifier, tokens, dtype and thread count; the loop does no I/O, no
@@ -291,88 +289,16 @@ def _plot_train(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def bench_quality(conversations: int = 1200, max_length: int = 512, ttt_list=(1, 4, 8),
-                  minutes: float = 10.0, depth: int = 16, draft_vocab: int = 8192,
-                  out_dir: str = "runs/bench", workers: int = 2, fresh: bool = False,
-                  ttt_ramp: float = 0.5, deep_fraction: float = 1.0) -> dict:
-    """Drafters trained with each ttt_steps for the same wall-clock budget on one embedded-default
-    dataset, then evaluated held-out at `depth` positions. Finished stages are reused (extraction
-    and each training run resume) unless fresh. Writes quality.json + quality.png."""
-    from eagle3_ray.extract import ExtractConfig, run_extract
-    from eagle3_ray.train import TrainConfig, evaluate_drafter, run_train
-    root = os.path.join(out_dir, "quality")
-    if fresh:
-        shutil.rmtree(root, ignore_errors=True)
-    data_dir = os.path.join(root, "data")
-    t0 = time.perf_counter()
-    manifest = run_extract(ExtractConfig(output=data_dir, sample_limit=conversations,
-                                         max_length=max_length, batch_rows=32))
-    extract_s = time.perf_counter() - t0
-    runs = {}
-    for k in ttt_list:
-        run_dir = os.path.join(root, f"ttt{k}")
-        t1 = time.perf_counter()
-        run_train(TrainConfig(
-            dataset=data_dir, output=run_dir, ttt_steps=k, ttt_ramp=ttt_ramp,
-            deep_fraction=deep_fraction, draft_vocab_size=draft_vocab,
-            max_steps=1_000_000, max_minutes=minutes, batch_size=4, max_seq_len=max_length,
-            lr=1e-3, warmup_steps=30, eval_every=0, log_every=25, checkpoint_every=200,
-            eval_fraction=0.05, num_workers=workers, cpus_per_worker=0.5))
-        train_s = time.perf_counter() - t1
-        meta = json.load(open(os.path.join(run_dir, "drafter", "meta.json")))
-        t2 = time.perf_counter()
-        ev = evaluate_drafter(os.path.join(run_dir, "drafter"), data_dir, depth,
-                              eval_fraction=0.05, max_seq_len=max_length)
-        tau = ttt.accept_lengths([ev[f"cond_acc_{i}"] for i in range(depth)])
-        runs[k] = {"ttt_steps": k, "steps": meta["steps"], "train_wall_s": train_s,
-                   "train_loop_s": meta["final_metrics"].get("train_s"),
-                   "eval_s": time.perf_counter() - t2,
-                   "acc": [ev[f"acc_{i}"] for i in range(depth)],
-                   "cond_acc": [ev[f"cond_acc_{i}"] for i in range(depth)],
-                   "p": [ev[f"p_{i}"] for i in range(depth)],
-                   "accept_len_by_depth": tau}
-        print(f"[bench] quality ttt={k}: {meta['steps']} steps in {train_s:.0f}s; held-out acc "
-              f"pos0 {runs[k]['acc'][0]:.3f}; tau(depth 8) {tau[8]:.2f}, tau(16) {tau[16]:.2f}")
-    s = manifest["summary"]
-    result = {"bench": "quality", "conversations": conversations, "samples": s["samples"],
-              "tokens": s["tokens"], "loss_tokens": s["loss_tokens"], "max_length": max_length,
-              "draft_vocab_size": draft_vocab, "minutes_per_drafter": minutes, "eval_depth": depth,
-              "ttt_ramp": ttt_ramp, "deep_fraction": deep_fraction, "precision": "auto",
-              "extract_s": extract_s, "total_s": time.perf_counter() - t0,
-              "runs": {str(k): v for k, v in runs.items()},
-              "note": "accept_len_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} cond_acc_j: expected "
-                      "tokens per round of greedy chain speculation at depth d, from held-out "
-                      "conditional accuracies; positions past a drafter's ttt_steps are "
-                      "extrapolation."}
-    save_result(out_dir, "quality", result, _plot_quality)
-    return result
-
-
-def _plot_quality(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, r in result["runs"].items():
-        a1.plot(range(len(r["acc"])), r["acc"], "o-", ms=3, label=f"ttt_steps={k} ({r['steps']} steps)")
-        a2.plot(range(len(r["accept_len_by_depth"])), r["accept_len_by_depth"], "o-", ms=3,
-                label=f"ttt_steps={k}")
-    a1.set_xlabel("draft position k"), a1.set_ylabel("held-out accuracy"), a1.set_ylim(0, 1)
-    a1.set_title(f"{result['samples']} samples, {result['minutes_per_drafter']:.0f} min each")
-    a2.set_xlabel("speculation depth"), a2.set_ylabel("estimated acceptance length")
-    for a in (a1, a2):
-        a.grid(alpha=.3), a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # --- bench serve -----------------------------------------------------------------------------
 # The decoder the server runs (speculate.Speculator: the same code, minus HTTP), on the embedded
 # verifier with a trained drafter, at each depth on the same held-out prompts. Depths are
-# interleaved per prompt (in a rotating order) so machine noise hits them alike.
+# interleaved per prompt (in a rotating order) so machine noise hits them alike. The peers
+# (transformers' plain greedy generate and its prompt-lookup speculation, the choices a user
+# has without training) are arms of the same interleaved run (hf_generate; --no-peers skips).
 #
-#     eagle3-ray bench serve --drafter runs/bench/quality/ttt4/drafter --prompts 4 --max-tokens 32
+#     eagle3-ray bench serve --drafter runs/bench/quality/ttt4/drafter --samples 4 --max-tokens 32
+#     eagle3-ray bench serve --drafter DIR --samples 2 --max-tokens 16 --depths 0 2 \
+#         --prompt-lookup-tokens 10 3
 
 SERVE_DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -396,36 +322,102 @@ def heldout_prompts(tok, n: int, skip: int = 5000, max_prompt: int = 256) -> lis
 
 
 def best_quality_drafter(out_dir: str = "runs/bench", depth: int = 8) -> str:
-    """The drafter of `bench quality` with the highest estimated acceptance length at `depth`."""
+    """The drafter of `bench quality` with the highest served acceptance length at `depth`."""
     path = os.path.join(out_dir, "quality.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no bench quality result; pass --drafter")
     q = json.load(open(path))
-    k = max(q["runs"], key=lambda k: q["runs"][k]["accept_len_by_depth"][depth])
-    return os.path.join(out_dir, "quality", f"ttt{k}", "drafter")
+    arm = max(q["runs"], key=lambda k: q["runs"][k]["served"]["tau_by_depth"][depth])
+    return os.path.join(out_dir, "quality", arm, "drafter")
+
+
+SERVE_PROMPT_LOOKUP = (10, 3)   # transformers' docs suggest ~10 tokens; 3 ~ a shallow depth
+
+
+class _ChunkClock:
+    """A transformers streamer: when and how many token ids each put() of generate() carries
+    (the first put is the prompt, then one per verifier forward)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.sizes: list[int] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+        self.sizes.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model, prompt: list[int], max_tokens: int, eos_ids, prompt_lookup: int = 0):
+    """transformers' own greedy `model.generate` on one prompt (prompt_lookup > 0: with its
+    prompt-lookup speculation of that many tokens, `prompt_lookup_num_tokens`), stopping at
+    `eos_ids` after at most `max_tokens` -> {tokens (EOS left out, as speculate.Speculator
+    does), wall_s, prefill_s (until the first token), rounds (verifier forwards after the
+    prefill), drafted, accepted (prompt-lookup tokens proposed / accepted)}. Counted with a
+    streamer (tokens per forward) and a forward pre-hook (tokens fed per forward)."""
+    clock, fed = _ChunkClock(), []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kw: fed.append((kw.get("input_ids") if "input_ids" in kw else args[0])
+                                       .shape[1]), with_kwargs=True)
+    eos = list(eos_ids)
+    extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+    x = torch.tensor([prompt], device=model.device)                       # [1, P]
+    try:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            seq = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                 max_new_tokens=max_tokens, eos_token_id=eos or None,
+                                 pad_token_id=eos[0] if eos else None, streamer=clock,
+                                 **extra)                                  # [1, P + n]
+        wall = time.perf_counter() - t0
+    finally:
+        hook.remove()
+    out = seq[0, len(prompt):].tolist()
+    out = out[:next((i for i, t in enumerate(out) if t in eos), len(out))]
+    chunks = clock.sizes[1:]                      # tokens emitted per forward (prefill first)
+    return {"tokens": out, "wall_s": wall, "prefill_s": clock.times[1] - t0,
+            "rounds": len(chunks) - 1, "drafted": sum(n - 1 for n in fed[1:]),
+            "accepted": sum(n - 1 for n in chunks[1:])}
 
 
 def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: int = 8,
                 max_tokens: int = 64, out_dir: str = "runs/bench",
                 spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0,
-                simulate: str | None = None, dynamic: bool = True) -> dict:
+                simulate: str | None = None, dynamic: bool = True, peers: bool = True,
+                prompt_lookup=SERVE_PROMPT_LOOKUP) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (planner.
     measure_speculator), acceptance per position is counted over the runs. simulate: a node
     profile whose all-reduce time every verify also sleeps (a SIMULATION of that node's
     interconnect). dynamic: also a run with per-request dynamic depth (planner.DynamicDepth).
+    peers: also transformers' own greedy `generate` and its prompt-lookup speculation with each
+    k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
+    the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
     Writes <out_dir>/serve.json + serve.png (serve-sim-<profile>.* when simulating)."""
     import functools
     from eagle3_ray import planner, speculate
     from eagle3_ray.train import load_trained_drafter
     if threads:
         torch.set_num_threads(threads)
+    depths = tuple(sorted(set(depths)))
+    if depths[0] != 0 or len(depths) < 2:
+        raise ValueError(f"depths {list(depths)}: need 0 (the baseline) and at least one > 0")
+    if peers and any(int(k) <= 0 for k in prompt_lookup):
+        raise ValueError(f"prompt lookup tokens {list(prompt_lookup)}: each must be > 0")
     drafter_dir = drafter_dir or best_quality_drafter(out_dir)
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
-    dec = speculate.Speculator(model, drafter.eval())
+    dec = speculate.Speculator(model, drafter.eval())    # patches `model` (batch invariance)
     max_depth = max(depths)
+    # the peers run on their own copy: transformers as a user has it (its default attention)
+    hf = verifier.load_verifier(spec, dtype=model.dtype) if peers else None
+    peer_ks = {"generate": 0} if peers else {}
+    peer_ks.update({f"prompt_lookup_{k}": int(k) for k in (prompt_lookup if peers else ())})
+    peer_runs = {a: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "drafted": 0,
+                     "accepted": 0, "outputs": []} for a in peer_ks}
     node = planner.load_profile(simulate) if simulate else None
 
     def measured_profile(*timings):      # this machine's verify/draft times (+ the simulation)
@@ -442,13 +434,23 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = heldout_prompts(tok, prompts)
-    names = list(depths) + (["dynamic"] if dynamic else [])
+    ours = list(depths) + (["dynamic"] if dynamic else [])
+    names = ours + list(peer_ks)                          # every arm, interleaved per prompt
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
                 "drafted": 0, "verify_s": 0.0, "draft_s": 0.0, "outputs": [],
-                "drafted_at": [0] * max_depth, "accepted_at": [0] * max_depth} for d in names}
+                "drafted_at": [0] * max_depth, "accepted_at": [0] * max_depth} for d in ours}
     for i, prompt in enumerate([ps[0]] + ps):            # the first prompt once more as warm-up
         order = names[i % len(names):] + names[:i % len(names)]
         for d in order:
+            if d in peer_ks:
+                got = hf_generate(hf, prompt, max_tokens, sp.eos_ids, peer_ks[d])
+                if i > 0:
+                    s = peer_runs[d]
+                    for key in ("wall_s", "prefill_s", "rounds", "drafted", "accepted"):
+                        s[key] += got[key]
+                    s["tokens"] += len(got["tokens"])
+                    s["outputs"].append(got["tokens"])
+                continue
             depth = planner.DynamicDepth(profile, prior, max_depth) if d == "dynamic" else d
             t0, out, rounds = time.perf_counter(), [], []
             for r in dec.generate(prompt, sp, depth):
@@ -532,6 +534,20 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     if dynamic:
         d = result_runs["dynamic"]
         d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+    if peers:
+        result["peers"] = _peer_rows(peer_runs, peer_ks, result_runs[str(depths[0])],
+                                     base["outputs"], len(ps))
+        result["peers_note"] = (
+            "transformers' own model.generate (greedy, max_new_tokens = max_tokens, "
+            "eos_token_id = the verifier's EOS ids) on a second, unmodified copy of the verifier "
+            "(its default attention, " + hf.config._attn_implementation + "), interleaved per "
+            "prompt with the depth runs; prompt_lookup_K = prompt_lookup_num_tokens=K; "
+            "speedup / decode_speedup: over depth 0 of this run; prefill_s: until generate's "
+            "first token (includes generate's setup); identical_prompts: greedy output equal to "
+            "depth 0's (in bf16 HF's attention may round differently from the batch-invariant "
+            "path, so a mismatch is not a decoder error); acceptance_length: tokens per verifier "
+            "forward after the prefill, acceptance_rate: accepted / proposed lookup tokens"
+            + ("; no simulated interconnect sleep" if simulate else ""))
     name = f"serve-sim-{node.name}" if node else "serve"
     save_result(out_dir, name, result, _plot_serve)
     for r in result_runs.values():
@@ -540,8 +556,39 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
         print(f"[bench] serve depth {r['depth']!s:>7}: {r['tokens_per_s']:.1f} tok/s, "
               f"x{r['speedup']:.2f}, tau {r['acceptance_length']:.2f}, decode "
               f"{r['decode_tokens_per_s']:.1f} tok/s{extra}, identical {r['identical_to_depth0']}")
+    for a, r in result.get("peers", {}).items():
+        extra = (f", tau {r['acceptance_length']:.2f}, lookup accepted "
+                 f"{r['accepted']}/{r['drafted']}" if r["prompt_lookup_num_tokens"] else "")
+        print(f"[bench] serve peer {a}: {r['tokens_per_s']:.1f} tok/s, x{r['speedup']:.2f}, "
+              f"decode {r['decode_tokens_per_s']:.1f} tok/s (x{r['decode_speedup']:.2f}){extra}, "
+              f"identical {r['identical_prompts']}/{r['prompts']}")
     print(f"[bench] planner chose depth {chosen}; fastest measured {measured[:2]}")
     return result
+
+
+def _peer_rows(peer_runs: dict, peer_ks: dict, depth0: dict, depth0_outputs: list,
+               prompts: int) -> dict:
+    """serve.json "peers": each transformers arm's totals against depth 0 of the same run."""
+    rows = {}
+    for a, s in peer_runs.items():
+        tps = s["tokens"] / s["wall_s"]
+        decode = (s["tokens"] - prompts) / (s["wall_s"] - s["prefill_s"])
+        same = [x == y for x, y in zip(s["outputs"], depth0_outputs)]
+        row = {"arm": a, "prompt_lookup_num_tokens": peer_ks[a], "tokens": s["tokens"],
+               "wall_s": s["wall_s"], "prefill_s": s["prefill_s"], "tokens_per_s": tps,
+               "decode_tokens_per_s": decode, "speedup": tps / depth0["tokens_per_s"],
+               "decode_speedup": decode / depth0["decode_tokens_per_s"],
+               "prompts": prompts, "identical_prompts": sum(same),
+               "identical_to_depth0": all(same) and len(same) == prompts,
+               "mismatched_prompts": [j for j, ok in enumerate(same) if not ok],
+               "rounds": s["rounds"],
+               "acceptance_length": (s["accepted"] + s["rounds"]) / max(1, s["rounds"])}
+        if peer_ks[a]:
+            row.update(drafted=s["drafted"], accepted=s["accepted"],
+                       acceptance_rate=s["accepted"] / max(1, s["drafted"]),
+                       mean_drafted=s["drafted"] / max(1, s["rounds"]))
+        rows[a] = row
+    return rows
 
 
 def _plot_serve(result: dict, path: str) -> None:
@@ -559,6 +606,20 @@ def _plot_serve(result: dict, path: str) -> None:
     if dyn:
         a1.axhline(dyn["decode_tokens_per_s"], color="#3a5", ls=":",
                    label=f"dynamic depth (mean {dyn['mean_depth']:.1f})")
+    peers = list(result.get("peers", {}).values())      # transformers' arms: horizontal lines
+    styles = [("#777", "-."), ("#a3c", "--"), ("#c39", ":"), ("#5aa", "-.")]
+    for j, r in enumerate(peers):
+        color, ls = styles[j % len(styles)]
+        k = r["prompt_lookup_num_tokens"]
+        label = f"HF prompt lookup k={k}" if k else "HF generate (no speculation)"
+        a1.axhline(r["decode_tokens_per_s"], color=color, ls=ls, lw=1,
+                   label=f"{label}, identical {r['identical_prompts']}/{r['prompts']}")
+        if k:
+            a2.axhline(r["acceptance_length"], color=color, ls=ls, lw=1, label=label)
+    if peers:                                              # room above the lines for the legend
+        top = max([r["decode_tokens_per_s"] for r in peers + runs + ([dyn] if dyn else [])]
+                  + [r["predicted_tokens_per_s"] for r in runs])
+        a1.set_ylim(0, top * 1.7)
     sim = result.get("simulated_interconnect")
     a1.set_xlabel("speculation depth"), a1.set_ylabel("decode tokens/s")
     a1.set_title(f"{'SIMULATED ' + sim if sim else 'this machine'}: planner chose depth "
@@ -571,6 +632,152 @@ def _plot_serve(result: dict, path: str) -> None:
                  f"{result['all_identical']}", fontsize=9)
     for a in (a1, a2):
         a.set_xticks(ds), a.grid(alpha=0.3), a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- bench regen -----------------------------------------------------------------------------
+# Generation for `extract --regenerate`, three arms on the same prompts (first user turns of
+# held-out ShareGPT conversations) and the same greedy settings: transformers' generate one
+# prompt at a time (what a user has), its batched generate with left padding (what extract did
+# before), and regen.BatchGenerator. Runs are sandwiched (new, batched, plain, batched, new) so
+# a drift in machine load hits the arms alike; each arm's tokens/s is over all its runs.
+#
+#     eagle3-ray bench regen --samples 8 --max-new-tokens 32 --batch 8 --out /tmp/bench
+
+def cpu_facts() -> dict:
+    """What decides CPU matmul speed here: the CPU's flags, the ISA torch dispatches to, and
+    the environment variables that cap it (an emulated AVX2-only host sets them)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        pass
+    return {"avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": verifier.native_bf16(),
+            "env": {k: os.environ[k] for k in ("EAGLE3_RAY_NATIVE_BF16", "ATEN_CPU_CAPABILITY",
+                                               "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+                                               "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+                    if k in os.environ}}
+
+
+def bench_regen(prompts: int = 32, max_new_tokens: int = 128, batch: int = 32,
+                out_dir: str = "runs/bench", name: str = "regen",
+                spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0) -> dict:
+    """Generated tokens/s of each arm, its ratio to the one-prompt-at-a-time loop, and how many
+    greedy outputs are identical to that loop's. Writes <out_dir>/<name>.json + .png.
+    threads: torch threads (0: torch's default)."""
+    from eagle3_ray import regen
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok = verifier.load_verifier(spec), verifier.load_tokenizer(spec)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    eos = verifier.eos_ids(model, tok)
+    ps = heldout_prompts(tok, prompts)
+    groups = regen.length_batches([len(p) for p in ps], [max_new_tokens] * len(ps), 1 << 40,
+                                  batch)
+    gen = regen.BatchGenerator(model, pad, eos, regen.GenerateConfig(max_batch=batch,
+                                                                     token_budget=1 << 40))
+
+    def hf_batched(ps_, m):
+        out = [None] * len(ps_)
+        for g in regen.length_batches([len(p) for p in ps_], [m] * len(ps_), 1 << 40, batch):
+            for i, t in zip(g, regen.hf_generate(model, [ps_[i] for i in g], m, pad, eos,
+                                                 batch=len(g))):
+                out[i] = t
+        return out
+
+    arms = {"plain_generate": lambda ps_, m: regen.hf_generate(model, ps_, m, pad, eos, 1),
+            "hf_batched_generate": hf_batched,
+            "batch_generator": lambda ps_, m: gen.generate(ps_, m)}
+    for fn in arms.values():                              # warm-up: first-call costs
+        fn(ps[:2], 4)
+    order = ["batch_generator", "hf_batched_generate", "plain_generate", "hf_batched_generate",
+             "batch_generator"]
+    runs, outputs, load = {k: [] for k in arms}, {}, [os.getloadavg()[0]]
+    for k in order:
+        t0, c0 = time.perf_counter(), time.process_time()
+        got = arms[k](ps, max_new_tokens)
+        sec, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n = sum(len(t) for t in got)
+        runs[k].append({"seconds": sec, "cpu_s": cpu, "new_tokens": n, "tokens_per_s": n / sec,
+                        "tokens_per_cpu_s": n / cpu, "loadavg_after": os.getloadavg()[0]})
+        outputs.setdefault(k, got)
+        load.append(os.getloadavg()[0])
+        print(f"[bench] regen {k}: {n} tokens in {sec:.1f}s = {n / sec:.1f} tok/s "
+              f"({n / cpu:.1f} per CPU-second; load average {load[-1]:.1f})")
+
+    def common_prefix(a, b):
+        return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    ref = outputs["plain_generate"]
+    result = {"bench": "regen", "verifier": spec, "dtype": str(model.dtype).replace("torch.", ""),
+              "cpu": cpu_facts(), "torch_threads": torch.get_num_threads(),
+              "cpu_count": os.cpu_count(), "prompts": len(ps),
+              "prompt_tokens": sum(len(p) for p in ps),
+              "prompt_len_min_max": [min(len(p) for p in ps), max(len(p) for p in ps)],
+              "max_new_tokens": max_new_tokens, "batch": batch,
+              "batches": [len(g) for g in groups], "order": order,
+              "loadavg_1min": load, "arms": {}}
+    for k in arms:
+        sec = sum(r["seconds"] for r in runs[k])
+        n = sum(r["new_tokens"] for r in runs[k])
+        result["arms"][k] = {
+            "runs": runs[k], "tokens_per_s": n / sec,
+            "tokens_per_cpu_s": n / sum(r["cpu_s"] for r in runs[k]),
+            "identical_to_plain": sum(a == b for a, b in zip(outputs[k], ref)),
+            "mean_common_prefix_with_plain": sum(common_prefix(a, b) for a, b in
+                                                 zip(outputs[k], ref)) / len(ps)}
+    plain = result["arms"]["plain_generate"]["tokens_per_s"]
+    plain_cpu = result["arms"]["plain_generate"]["tokens_per_cpu_s"]
+    for k, r in result["arms"].items():
+        r["ratio_to_plain"] = r["tokens_per_s"] / plain
+        r["ratio_to_plain_per_cpu_s"] = r["tokens_per_cpu_s"] / plain_cpu
+    result["identical_batch_generator_vs_hf_batched"] = sum(
+        a == b for a, b in zip(outputs["batch_generator"], outputs["hf_batched_generate"]))
+    result["batch_generator_prefill_s"] = gen.stats.prefill_s
+    result["note"] = ("tokens/s = generated tokens (EOS included) / wall time of the arm's runs, "
+                      "prefill included; runs sandwiched (order); tokens_per_cpu_s = the same over "
+                      "this process's CPU time (less sensitive to other load on a shared host); "
+                      "greedy outputs compared token for token with the plain loop (bf16 batching "
+                      "changes rounding, so near-tied argmaxes can flip; fp32 should agree)")
+    save_result(out_dir, name, result, _plot_regen)
+    a = result["arms"]
+    print(f"[bench] regen ({result['dtype']}, {len(ps)} prompts x {max_new_tokens}, batch "
+          f"{batch}): plain {plain:.1f} tok/s; HF batched "
+          f"{a['hf_batched_generate']['tokens_per_s']:.1f} "
+          f"(x{a['hf_batched_generate']['ratio_to_plain']:.2f}); BatchGenerator "
+          f"{a['batch_generator']['tokens_per_s']:.1f} "
+          f"(x{a['batch_generator']['ratio_to_plain']:.2f}); identical to plain "
+          f"{a['hf_batched_generate']['identical_to_plain']} / "
+          f"{a['batch_generator']['identical_to_plain']} of {len(ps)} -> {out_dir}/{name}.json")
+    return result
+
+
+def _plot_regen(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = {"plain_generate": "HF generate\none prompt at a time",
+              "hf_batched_generate": f"HF generate\nbatched {result['batch']}, left-padded",
+              "batch_generator": f"regen.BatchGenerator\nbatch {result['batch']}"}
+    arms = result["arms"]
+    vals = [arms[k]["tokens_per_s"] for k in labels]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.bar(list(labels.values()), vals, color=["#999", "#bbb", "#3a7"])
+    for i, k in enumerate(labels):
+        ax.text(i, vals[i], f"{vals[i]:.0f} tok/s (x{arms[k]['ratio_to_plain']:.1f})\n"
+                f"identical {arms[k]['identical_to_plain']}/{result['prompts']}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max(vals) * 1.3)
+    ax.set_ylabel("generated tokens / s")
+    cpu = result["cpu"]
+    ax.set_title(f"regen: {result['prompts']} prompts x {result['max_new_tokens']} new tokens, "
+                 f"{result['dtype']}, ISA {cpu['torch_cpu_capability']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@
     eagle3-ray export --drafter /tmp/tr/drafter --format vllm --output /tmp/tr/vllm
     eagle3-ray serve --drafter /tmp/tr/drafter --depth 4   # OpenAI API on Ray Serve, prints URL
     eagle3-ray bench extract --samples 32             # pipeline vs plain forward loop, JSON+PNG
+    eagle3-ray bench regen --samples 32 --max-new-tokens 128   # batched generation vs HF loops
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml  # measure this machine -> node profile
     eagle3-ray plan --acceptance runs/bench/quality.json --profile pcie-8x-rtx-pro-6000-kimi-k2.5
 """
@@ -41,6 +42,9 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-temperature", type=float, default=0.0)
     p.add_argument("--regen-top-p", type=float, default=1.0)
     p.add_argument("--regen-seed", type=int, default=0)
+    p.add_argument("--regen-batch", type=int, default=64, help="rows per generation forward")
+    p.add_argument("--regen-token-budget", type=int, default=65536,
+                   help="KV-cache tokens per generation batch: rows x (prompt + new tokens)")
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
 
 
@@ -53,7 +57,8 @@ def extract_config(a: argparse.Namespace):
         node_resource=a.node_resource,
         token_budget=a.token_budget, batch_rows=a.batch_rows, dtype=a.dtype,
         regenerate=a.regenerate, regen_max_new_tokens=a.regen_max_new_tokens,
-        regen_temperature=a.regen_temperature, regen_top_p=a.regen_top_p, regen_seed=a.regen_seed)
+        regen_temperature=a.regen_temperature, regen_top_p=a.regen_top_p, regen_seed=a.regen_seed,
+        regen_batch=a.regen_batch, regen_token_budget=a.regen_token_budget)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +73,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deep-fraction", type=float, default=1.0,
                    help="run the TTT steps past 0 on this random share of positions (cheaper)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--init", choices=("verifier", "random"), default="verifier",
+                   help="start fc + the decoder layer from the verifier (default) or from noise")
     p.add_argument("--max-steps", type=int, default=200)
     p.add_argument("--max-epochs", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=2, help="samples per worker per step")
@@ -95,7 +102,7 @@ def train_config(a: argparse.Namespace):
     return TrainConfig(
         dataset=a.dataset, output=a.output, verifier=a.verifier, ttt_steps=a.ttt_steps,
         step_weight_decay=a.step_weight_decay, ttt_ramp=a.ttt_ramp,
-        deep_fraction=a.deep_fraction, draft_vocab_size=a.draft_vocab_size,
+        deep_fraction=a.deep_fraction, draft_vocab_size=a.draft_vocab_size, init=a.init,
         max_steps=a.max_steps, max_epochs=a.max_epochs, batch_size=a.batch_size,
         max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
         eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
@@ -182,20 +189,38 @@ def cmd_demo(a):
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of `eagle3-ray bench` (shared with jobs/bench.py)."""
-    p.add_argument("what", choices=["extract", "train", "quality", "serve"])
+    p.add_argument("what", choices=["extract", "train", "quality", "recipe", "serve", "regen"])
     p.add_argument("--samples", type=int,
-                   help="conversations (extract: 128, quality: 1200) / prompts (serve: 8)")
+                   help="conversations (extract: 128, quality/recipe: 1200) / prompts (serve: 8)")
     p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best)")
     p.add_argument("--max-tokens", type=int, default=64, help="serve: tokens per prompt")
     p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
                    "profile's all-reduce time in every verify (a SIMULATED interconnect)")
     p.add_argument("--no-dynamic", action="store_true", help="serve: skip the dynamic-depth run")
-    p.add_argument("--minutes", type=float, default=10.0, help="quality: training budget each")
-    p.add_argument("--fresh", action="store_true", help="quality: redo extraction and training")
-    p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8], help="quality: ttt_steps each")
-    p.add_argument("--ttt-ramp", type=float, default=0.5, help="quality: depth curriculum share")
-    p.add_argument("--deep-fraction", type=float, default=1.0,
-                   help="quality: share of positions running the steps past 0")
+    p.add_argument("--depths", type=int, nargs="+", help="serve: fixed depths to run, 0 "
+                   "included (default: 0 1 2 3 4 6 8 12 16)")
+    p.add_argument("--no-peers", action="store_true", help="serve: skip the transformers arms "
+                   "(plain generate, prompt lookup)")
+    p.add_argument("--prompt-lookup-tokens", type=int, nargs="+", default=[10, 3], metavar="K",
+                   help="serve: prompt_lookup_num_tokens of each prompt-lookup arm (default 10 3)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="quality/recipe: training minutes per drafter")
+    p.add_argument("--steps", type=int, default=0,
+                   help="quality/recipe: optimizer steps per drafter instead of --minutes")
+    p.add_argument("--fresh", action="store_true", help="quality/recipe: retrain every drafter")
+    p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8],
+                   help="quality: ttt_steps of each drafter (recipe: the first)")
+    p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="quality/recipe: TrainConfig fields for every drafter, e.g. lr=1e-3 "
+                        "init=random data=regen (data: orig|regen)")
+    p.add_argument("--served-prompts", type=int, default=16,
+                   help="quality/recipe: held-out prompts decoded per drafter")
+    p.add_argument("--served-tokens", type=int, default=96,
+                   help="quality/recipe: tokens decoded per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="regen: tokens per prompt")
+    p.add_argument("--batch", type=int, default=32, help="regen: rows per batched forward")
+    p.add_argument("--name", default="regen", help="regen: output name (<out>/<name>.json)")
+    p.add_argument("--threads", type=int, default=0, help="regen: torch threads (0: default)")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench")
@@ -210,17 +235,44 @@ def cmd_bench(a):
     if a.what == "serve":  # the server's decoder in-process, no Ray
         bench.bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8,
                           max_tokens=a.max_tokens, out_dir=a.out, simulate=a.simulate,
-                          dynamic=not a.no_dynamic)
+                          dynamic=not a.no_dynamic, peers=not a.no_peers,
+                          prompt_lookup=tuple(a.prompt_lookup_tokens),
+                          **({"depths": tuple(a.depths)} if a.depths else {}))
+        return
+    if a.what == "regen":  # batched generation in-process, no Ray
+        bench.bench_regen(prompts=a.samples or 32, max_new_tokens=a.max_new_tokens,
+                          batch=a.batch, out_dir=a.out, name=a.name, threads=a.threads)
         return
     init_ray(a.address)
     if a.what == "extract":
         bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
                             repeats=a.repeats)
     else:
-        bench.bench_quality(conversations=a.samples or 1200, max_length=a.max_length,
-                            minutes=a.minutes, out_dir=a.out, fresh=a.fresh,
-                            ttt_list=tuple(a.ttt), ttt_ramp=a.ttt_ramp,
-                            deep_fraction=a.deep_fraction)
+        from eagle3_ray import quality
+        recipe = parse_fields(a.set)
+        arms = (quality.quality_arms(a.ttt, **recipe) if a.what == "quality"
+                else quality.recipe_arms(a.ttt[0], **recipe))
+        quality.compare(a.what, arms, conversations=a.samples or 1200, max_length=a.max_length,
+                        minutes=a.minutes, steps=a.steps, out_dir=a.out, fresh=a.fresh,
+                        served_prompts=a.served_prompts, served_tokens=a.served_tokens)
+
+
+def parse_fields(items: list[str]) -> dict:
+    """["lr=1e-3", "init=random", "data=regen"] -> TrainConfig overrides, typed by the field's
+    default ("data" names the dataset: orig or regen)."""
+    from dataclasses import fields
+    from eagle3_ray.train import TrainConfig
+    kinds = {"int": int, "float": float, "bool": bool}           # annotations are strings here
+    types = {f.name: kinds.get(str(f.type), str) for f in fields(TrainConfig)} | {"data": str}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{sorted(types)}")
+        kind = types[key]
+        out[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+    return out
 
 
 def cmd_profile(a):

@@ -1,0 +1,82 @@
+"""bench serve's peer arms (transformers' plain greedy generate and its prompt-lookup speculation)
+on the tiny random verifier in fp32, with an untrained drafter saved as a real checkpoint."""
+import json
+import os
+
+import pytest
+
+from eagle3_ray import bench, checkpoint, data, draft, speculate, verifier
+
+
+@pytest.fixture
+def fp32(monkeypatch):
+    """load_verifier's default dtype: fp32 (no batch-invariance patch, exact greedy equality)."""
+    monkeypatch.setenv("EAGLE3_RAY_NATIVE_BF16", "0")
+
+
+@pytest.fixture
+def drafter_dir(tiny_verifier, tmp_path):
+    drafter, _ = draft.untrained_drafter(tiny_verifier, draft_vocab_size=2000)
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
+    final = {f"eval/cond_acc_{k}": 0.5 for k in range(4)}   # the dynamic-depth prior
+    out = str(tmp_path / "drafter")
+    checkpoint.save_drafter(out, state, drafter.config,
+                            {"ttt_steps": 2, "verifier": tiny_verifier, "final_metrics": final})
+    return out
+
+
+def test_hf_generate_matches_speculator_depth0(fp32, tiny_verifier, tiny_tokenizer, one_thread):
+    model = verifier.load_verifier(tiny_verifier)
+    eos = verifier.eos_ids(model, tiny_tokenizer)
+    prompt = data.prompt_ids(tiny_tokenizer, [{"role": "user", "content": "Tell me about rivers"}])
+    sp = speculate.SamplingParams(max_tokens=12, eos_ids=eos)
+    ours = [t for r in speculate.Speculator(model).generate(prompt, sp) for t in r.tokens]
+    plain = bench.hf_generate(model, prompt, 12, eos)
+    assert plain["tokens"] == ours and len(ours) > 0
+    assert plain["rounds"] == len(ours) - 1 and plain["drafted"] == plain["accepted"] == 0
+    assert 0 < plain["prefill_s"] < plain["wall_s"]
+    # prompt lookup: same greedy output; the tiny random model repeats itself (and the prompt
+    # holds an earlier output), so lookup proposes n-grams, gets some accepted, saves forwards
+    echo = prompt + ours + prompt
+    ref = bench.hf_generate(model, echo, 12, eos)
+    got = bench.hf_generate(model, echo, 12, eos, prompt_lookup=5)
+    assert got["tokens"] == ref["tokens"]
+    assert got["drafted"] >= got["accepted"] > 0 and got["rounds"] < ref["rounds"]
+
+
+def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsys, one_thread):
+    out = str(tmp_path / "bench")
+    r = bench.bench_serve(drafter_dir, depths=(0, 2), prompts=2, max_tokens=8, out_dir=out,
+                          spec=tiny_verifier, dynamic=False, prompt_lookup=(4,))
+    assert r["dtype"] == "float32" and r["all_identical"]
+    peers = r["peers"]
+    assert set(peers) == {"generate", "prompt_lookup_4"}
+    for p in peers.values():
+        assert p["tokens"] > 0 and p["tokens_per_s"] > 0 and p["decode_tokens_per_s"] > 0
+        assert p["speedup"] > 0 and p["prompts"] == 2
+    g = peers["generate"]
+    assert g["identical_prompts"] == 2 and g["identical_to_depth0"]
+    assert g["tokens"] == r["runs"]["0"]["tokens"] and g["acceptance_length"] == 1.0
+    pl = peers["prompt_lookup_4"]
+    assert pl["prompt_lookup_num_tokens"] == 4 and 0 <= pl["acceptance_rate"] <= 1
+    saved = json.load(open(os.path.join(out, "serve.json")))
+    assert set(saved["peers"]) == set(peers) and "peers_note" in saved
+    assert os.path.getsize(os.path.join(out, "serve.png")) > 0
+    printed = capsys.readouterr().out
+    assert "[bench] serve peer generate:" in printed and "identical 2/2" in printed
+    r = bench.bench_serve(drafter_dir, depths=(0, 1), prompts=1, max_tokens=4, out_dir=out,
+                          spec=tiny_verifier, dynamic=False, peers=False)
+    assert "peers" not in r
+
+
+def test_bench_serve_flags():
+    import argparse
+    from eagle3_ray.cli import add_bench_args
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    a = p.parse_args(["serve", "--depths", "0", "2", "--no-peers", "--prompt-lookup-tokens", "5"])
+    assert a.depths == [0, 2] and a.no_peers and a.prompt_lookup_tokens == [5]
+    a = p.parse_args(["serve"])
+    assert a.depths is None and not a.no_peers and a.prompt_lookup_tokens == [10, 3]
+    with pytest.raises(ValueError, match="need 0"):
+        bench.bench_serve("unused", depths=(1, 2))
