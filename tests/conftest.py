@@ -4,6 +4,8 @@ import json
 import os
 
 import pytest
+
+import eagle3_ray  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads)
 import torch
 
 os.environ.setdefault("RAY_DATA_PARQUET_FOOTER_NUM_ACTORS", "1")
