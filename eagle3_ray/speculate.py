@@ -132,17 +132,20 @@ class Speculator:
 
     # --- the two models ----------------------------------------------------------------------
 
-    def _verify(self, ids: list[int], cache: DynamicCache):
-        """Forward `ids` after the cached positions -> logits [s, V] fp32, aux [1, s, 3H]."""
+    def _verify(self, ids: list[int], cache: DynamicCache, last_only: bool = False):
+        """Forward `ids` after the cached positions -> logits [s, V] fp32 ([1, V] if last_only:
+        a prefill needs no lm_head over the prompt), aux [1, s, 3H]."""
         start = cache.get_seq_length()
         x = torch.tensor([ids], device=self.device)                       # [1, s]
         pos = torch.arange(start, start + len(ids), device=self.device)[None]
+        kw = dict(input_ids=x, position_ids=pos, cache=cache, use_cache=True,
+                  logits_to_keep=1 if last_only else 0)
         aux = None
         if self.layer_ids is None:
-            out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+            out = self.model(**kw)
         else:
             with verifier_lib.capture_hidden_states(self.model, self.layer_ids) as got:
-                out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+                out = self.model(**kw)
             aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, s, 3H]
         if self.simulated_comm:
             time.sleep(self.simulated_comm(len(ids)))
@@ -187,7 +190,7 @@ class Speculator:
             gen = torch.Generator(self.device).manual_seed(sp.seed)
         cache, kv, history = DynamicCache(), DraftKV(), []
         t0 = time.perf_counter()
-        logits, aux = self._verify(prompt, cache)
+        logits, aux = self._verify(prompt, cache, last_only=True)
         x = self._pick(logits[-1], sp, gen)
         verify_s = time.perf_counter() - t0
         emitted = 0

@@ -277,9 +277,9 @@ def test_cached_drafts_equal_the_drafters_full_sequence_predictions():
     seen = []                                          # (verifier cache length n, [x, d1, ..])
     verify = spec._verify
 
-    def spy(ids, cache):
+    def spy(ids, cache, **kw):
         seen.append((cache.get_seq_length(), list(ids)))
-        return verify(ids, cache)
+        return verify(ids, cache, **kw)
     spec._verify = spy
     prompt = list(range(30, 45))
     out, _ = run(spec, prompt, SamplingParams(max_tokens=30), 1)
