@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -62,53 +63,51 @@ def extract_config(a: argparse.Namespace):
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    """Flags of TrainConfig (shared with jobs/train.py)."""
+    """Flags of TrainConfig (shared with jobs/train.py); defaults are TrainConfig's."""
+    from eagle3_ray.train import TrainConfig
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     p.add_argument("--dataset", required=True, help="hidden-state dataset dir/URI (extract output)")
     p.add_argument("--output", required=True, help="run dir: checkpoints, metrics, drafter/")
-    p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
-    p.add_argument("--ttt-steps", type=int, default=8, help="TTT unroll depth (1-32)")
-    p.add_argument("--step-weight-decay", type=float, default=0.8)
-    p.add_argument("--ttt-ramp", type=float, default=0.0,
+    p.add_argument("--verifier", default=d["verifier"])
+    p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"], help="TTT unroll depth (1-32)")
+    p.add_argument("--step-weight-decay", type=float, default=d["step_weight_decay"])
+    p.add_argument("--ttt-ramp", type=float, default=d["ttt_ramp"],
                    help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
-    p.add_argument("--deep-fraction", type=float, default=1.0,
+    p.add_argument("--deep-fraction", type=float, default=d["deep_fraction"],
                    help="run the TTT steps past 0 on this random share of positions (cheaper)")
-    p.add_argument("--draft-vocab-size", type=int, default=32000)
-    p.add_argument("--init", choices=("verifier", "random"), default="verifier",
-                   help="start fc + the decoder layer from the verifier (default) or from noise")
-    p.add_argument("--max-steps", type=int, default=200)
-    p.add_argument("--max-epochs", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=2, help="samples per worker per step")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--eval-fraction", type=float, default=0.05)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
+    p.add_argument("--init", choices=("verifier", "random"), default=d["init"],
+                   help="start fc + the decoder layer from the verifier or from noise")
+    p.add_argument("--max-steps", type=int, default=d["max_steps"])
+    p.add_argument("--max-epochs", type=int, default=d["max_epochs"])
+    p.add_argument("--max-minutes", type=float, default=d["max_minutes"],
+                   help="wall-clock budget of the training loop (0: none)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help="samples per worker per step")
+    p.add_argument("--max-seq-len", type=int, default=d["max_seq_len"])
+    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"])
+    p.add_argument("--eval-fraction", type=float, default=d["eval_fraction"])
+    p.add_argument("--eval-every", type=int, default=d["eval_every"])
+    p.add_argument("--log-every", type=int, default=d["log_every"])
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"])
+    p.add_argument("--num-workers", type=int, default=d["num_workers"])
     p.add_argument("--use-gpu", action="store_true")
-    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default=d["parallel"],
                    help="fsdp: shard weights, gradients and optimizer state over the workers")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=d["precision"],
                    help="bf16 autocast (auto: on GPUs and bf16-capable CPUs)")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--cpus-per-worker", type=float, default=d["cpus_per_worker"])
     p.add_argument("--node-resource", help="custom resource pinning workers (e.g. train_node)")
-    p.add_argument("--max-failures", type=int, default=3)
+    p.add_argument("--max-failures", type=int, default=d["max_failures"])
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
 
 
 def train_config(a: argparse.Namespace):
+    """The parsed flags -> TrainConfig (every flag but --address is a field)."""
     from eagle3_ray.train import TrainConfig
-    return TrainConfig(
-        dataset=a.dataset, output=a.output, verifier=a.verifier, ttt_steps=a.ttt_steps,
-        step_weight_decay=a.step_weight_decay, ttt_ramp=a.ttt_ramp,
-        deep_fraction=a.deep_fraction, draft_vocab_size=a.draft_vocab_size, init=a.init,
-        max_steps=a.max_steps, max_epochs=a.max_epochs, batch_size=a.batch_size,
-        max_seq_len=a.max_seq_len, lr=a.lr, warmup_steps=a.warmup_steps,
-        eval_fraction=a.eval_fraction, eval_every=a.eval_every, log_every=a.log_every,
-        checkpoint_every=a.checkpoint_every, num_workers=a.num_workers, use_gpu=a.use_gpu,
-        parallel=a.parallel, precision=a.precision, cpus_per_worker=a.cpus_per_worker,
-        node_resource=a.node_resource, max_failures=a.max_failures)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(a).items() if k in names})
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -170,7 +169,8 @@ def cmd_train(a):
 
 def cmd_export(a):
     from eagle3_ray import checkpoint
-    checkpoint.export(a.drafter, a.output, a.format)
+    checkpoint.export(a.drafter, a.output, a.format, verifier_path=a.verifier_path,
+                      dtype=a.dtype)
     print(f"[export] {a.format}: {a.output}")
 
 
@@ -192,6 +192,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["extract", "train", "quality", "recipe", "serve", "regen"])
     p.add_argument("--samples", type=int,
                    help="conversations (extract: 128, quality/recipe: 1200) / prompts (serve: 8)")
+    p.add_argument("--regen-samples", type=int,
+                   help="quality/recipe: conversations of the regenerated dataset (default "
+                        "--samples; regeneration costs ~30x a plain extraction on CPU)")
     p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best)")
     p.add_argument("--max-tokens", type=int, default=64, help="serve: tokens per prompt")
     p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
@@ -254,16 +257,17 @@ def cmd_bench(a):
                 else quality.recipe_arms(a.ttt[0], **recipe))
         quality.compare(a.what, arms, conversations=a.samples or 1200, max_length=a.max_length,
                         minutes=a.minutes, steps=a.steps, out_dir=a.out, fresh=a.fresh,
-                        served_prompts=a.served_prompts, served_tokens=a.served_tokens)
+                        served_prompts=a.served_prompts, served_tokens=a.served_tokens,
+                        regen_conversations=a.regen_samples)
 
 
 def parse_fields(items: list[str]) -> dict:
     """["lr=1e-3", "init=random", "data=regen"] -> TrainConfig overrides, typed by the field's
     default ("data" names the dataset: orig or regen)."""
-    from dataclasses import fields
     from eagle3_ray.train import TrainConfig
     kinds = {"int": int, "float": float, "bool": bool}           # annotations are strings here
-    types = {f.name: kinds.get(str(f.type), str) for f in fields(TrainConfig)} | {"data": str}
+    types = {f.name: kinds.get(str(f.type), str)
+             for f in dataclasses.fields(TrainConfig)} | {"data": str}
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -350,6 +354,10 @@ def main(argv=None) -> int:
     x.add_argument("--drafter", required=True, help="a drafter dir (<train output>/drafter)")
     x.add_argument("--format", required=True, choices=["sglang", "vllm", "speculators"])
     x.add_argument("--output", required=True)
+    x.add_argument("--verifier-path", help="the verifier (dir, .gguf, embedded:smollm2; default: "
+                   "meta.json's): its dtype, and speculators' verifier.name_or_path")
+    x.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="tensors + torch_dtype (default: the verifier's)")
     x.set_defaults(fn=cmd_export)
 
     b = sub.add_parser("bench", help="benchmarks (JSON + PNG)")

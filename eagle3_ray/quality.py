@@ -65,7 +65,7 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
 
 
 def dataset(root: str, data: str, conversations: int, max_length: int,
-            regen_max_new_tokens: int = 384) -> tuple[str, dict]:
+            regen_max_new_tokens: int = 256) -> tuple[str, dict]:
     """<root>/<data>: the first `conversations` embedded ShareGPT conversations, extracted as
     they are (data="orig") or with the verifier's greedy answers (data="regen"). Resumes."""
     from eagle3_ray.extract import ExtractConfig, run_extract
@@ -126,10 +126,12 @@ def train_arm(name: str, data_dir: str, run_dir: str, overrides: dict, minutes: 
 def compare(name: str, arms: dict[str, dict], conversations: int = 1200, max_length: int = 512,
             minutes: float = 10.0, steps: int = 0, out_dir: str = "runs/bench",
             fresh: bool = False, eval_every: int = 100, served_prompts: int = 16,
-            served_tokens: int = 96) -> dict:
+            served_tokens: int = 96, regen_conversations: int | None = None) -> dict:
     """One drafter per arm ({arm: TrainConfig overrides, plus "data": orig|regen}), each for
-    `steps` optimizer steps if > 0, else `minutes` of training. Finished runs are reused unless
-    fresh. Writes <out_dir>/<name>.json + .png."""
+    `steps` optimizer steps if > 0, else `minutes` of training. The regenerated dataset takes
+    the first `regen_conversations` (default: `conversations`): on CPU regeneration costs ~30x
+    a plain extraction per conversation. Finished runs are reused unless fresh. Writes
+    <out_dir>/<name>.json + .png."""
     root = os.path.join(out_dir, name)
     data_root = os.path.join(out_dir, "data")        # shared by every comparison
     if fresh:
@@ -140,8 +142,10 @@ def compare(name: str, arms: dict[str, dict], conversations: int = 1200, max_len
         d = arm.get("data", "orig")
         if d not in datasets:
             t1 = time.perf_counter()
-            path, manifest = dataset(data_root, d, conversations, max_length)
+            n = regen_conversations or conversations if d == "regen" else conversations
+            path, manifest = dataset(data_root, d, n, max_length)
             datasets[d] = {"path": path, "extract_s": time.perf_counter() - t1,
+                           "conversations": n,
                            **{k: manifest["summary"][k] for k in ("samples", "tokens",
                                                                   "loss_tokens", "skipped")}}
     served = {"prompts": served_prompts, "max_tokens": served_tokens}

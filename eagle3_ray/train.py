@@ -48,9 +48,9 @@ class TrainConfig:
     verifier: str = verifier.EMBEDDED_VERIFIER  # must be the dataset's verifier
     ttt_steps: int = 8                    # TTT unroll depth: train for the depth you serve
     step_weight_decay: float = 0.8        # loss weight of step k: decay**k
-    ttt_ramp: float = 0.0                 # depth curriculum: the unroll grows from 1 step to
+    ttt_ramp: float = 0.5                 # depth curriculum: the unroll grows from 1 step to
                                           # ttt_steps over this share of the training (0 = off)
-    deep_fraction: float = 1.0            # share of positions that run the TTT steps past 0
+    deep_fraction: float = 0.25           # share of positions that run the TTT steps past 0
                                           # (random each batch; <1 makes deep steps cheaper)
     draft_vocab_size: int = 32000         # reduced draft vocab (<= verifier vocab)
     init: str = "verifier"                # verifier: fc passes the highest aux state through and
@@ -59,11 +59,11 @@ class TrainConfig:
     max_steps: int = 200                  # optimizer steps in total (across resumes)
     max_epochs: int = 1000                # stop after this many passes even if steps remain
     max_minutes: float = 0                # wall-clock budget of the training loop; 0 = none
-    batch_size: int = 2                   # samples per worker per step
+    batch_size: int = 4                   # samples per worker per step
     max_seq_len: int = 2048               # truncate samples longer than this
-    lr: float = 3e-4
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1             # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     eval_fraction: float = 0.05           # held-out share of samples (by sample_id hash)

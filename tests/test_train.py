@@ -160,7 +160,7 @@ def test_depth_curriculum_lr_schedule_and_precision():
     depths = [train.depth_at(cfg, s, 0.0) for s in range(100)]
     assert depths[0] == 1 and depths == sorted(depths) and depths.index(8) == 44
     assert set(depths) == set(range(1, 9))
-    assert train.depth_at(TrainConfig(dataset="x", ttt_steps=8), 0, 0.0) == 8  # no ramp
+    assert train.depth_at(TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0), 0, 0.0) == 8  # no ramp
     timed = TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0.5, max_minutes=10, max_steps=10**6)
     assert train.depth_at(timed, 5, 150.0) == 5       # 25% of the time budget = half the ramp
     assert train.lr_at(cfg, 0, 0.0) == pytest.approx(1e-4)
