@@ -5,14 +5,16 @@ never leaves a directory that looks complete):
 
     model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V];
                        no embed_tokens: the verifier's embedding is frozen and engines share it
-    config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout, aux layer ids in the vLLM
-                       convention (directly servable by vLLM), plus our full DraftConfig under
-                       "eagle3_ray"
+    config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout (engine_config: the
+                       top-level aux ids in vLLM's convention, eagle_config's in SGLang's), plus
+                       our full DraftConfig under "eagle3_ray"
     meta.json          ttt_steps, dataset manifest hash, metrics, tool version, created time,
                        sizes + sha256 of the two files above, whatever the caller passed
 
-`export(src, out, fmt)` writes exactly what each engine loads (model.safetensors + config.json).
-What each engine expects (read in their sources; no code taken):
+`export(src, out, fmt)` writes exactly what each engine loads (model.safetensors + config.json),
+in the verifier's dtype (SGLang takes the draft's dtype from its config; a float32 config runs
+as float16 under --dtype auto, against a bf16 verifier). What each engine expects (read in
+their sources; no code taken):
   - vLLM vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights):
     renames "midlayer." -> "layers.0.", "d2t" -> draft_id_to_target_id, skips "t2d", and skips
     embed_tokens when the checkpoint has none (vllm/v1/worker/gpu/spec_decode/eagle/utils.py
@@ -26,7 +28,10 @@ What each engine expects (read in their sources; no code taken):
     `eagle_config["eagle_aux_hidden_state_layer_ids"]` (nested only), and
     python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) captures at
     `val + 1` for each configured id ("for the ith layer, it takes the output of the (i-1)th
-    layer"), capturing before layer i like vLLM. So SGLang id = vLLM id - 1.
+    layer"), capturing before layer i like vLLM. So SGLang id = vLLM id - 1. One config that
+    both read as trained carries both keys: top level vLLM ids, eagle_config SGLang ids (some
+    vLLM versions fall back to eagle_config when the top-level key is missing: never missing).
+    Both capture in one ascending pass over the layers, so ids are ascending (check_layer_ids).
     python/sglang/srt/models/llama_eagle3.py: weights `fc`, `midlayer.*`, `norm` (loaded under
     model.), `lm_head`; d2t -> hot_token_id = d2t + arange; t2d skipped; residual is the
     un-normed hidden (norm_before_residual False); embed shared via set_embed.
@@ -41,7 +46,9 @@ What each engine expects (read in their sources; no code taken):
     vLLM's reader vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) uses
     those ids as-is (vLLM convention) and defaults norm_before_residual to *True*, so we
     always write it explicitly; base.py requires speculators_config.proposal_methods[0]
-    .speculative_tokens and .verifier.name_or_path.
+    .speculative_tokens and .verifier.name_or_path. speculators' own loader
+    (src/speculators/models/eagle3/core.py, model.py load_verifier_weights) reads the verifier's
+    config and embedding from name_or_path, so that is the materialized verifier directory.
 
     python -c "import eagle3_ray.checkpoint as c; c.export('runs/train/drafter', 'runs/sglang', 'sglang')"
 """
@@ -59,7 +66,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3_ray import __version__, schema
+from eagle3_ray import __version__, schema, verifier
 from eagle3_ray.draft import DraftConfig
 from eagle3_ray.vocab import check_mapping
 
@@ -134,8 +141,10 @@ def _dtype_name(state: dict[str, torch.Tensor]) -> str:
 
 
 def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
-    """config.json body in the SGLang/vLLM LlamaForCausalLMEagle3 layout (vLLM layer ids)."""
-    ids = list(cfg.aux_layer_ids)
+    """config.json body in the SGLang/vLLM LlamaForCausalLMEagle3 layout. One config both
+    engines read as trained: the top-level ids are vLLM's (the input of layer i), eagle_config's
+    are SGLang's (the output of layer j = i - 1)."""
+    ids = verifier.check_layer_ids(cfg.aux_layer_ids, where="DraftConfig.aux_layer_ids")
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -158,9 +167,10 @@ def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
-        # vLLM reads the top-level ids (eagle3_utils.py); SGLang reads eagle_config's.
+        # vLLM reads the top-level ids (eagle3_utils.py); SGLang reads eagle_config's only.
         "eagle_aux_hidden_state_layer_ids": ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(ids),
+                         "use_aux_hidden_state": True},
     }
 
 
@@ -169,6 +179,12 @@ def _ours(cfg: DraftConfig, **extra) -> dict:
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "tool_version": __version__,
             "layer_id_convention": schema.LAYER_ID_CONVENTION, "draft_config": cfg.to_dict(),
             **extra}
+
+
+def _engine_json(cfg: DraftConfig, torch_dtype: str, **extra) -> dict:
+    """engine_config + our block, saying which convention each of the two id keys uses."""
+    return dict(engine_config(cfg, torch_dtype), eagle3_ray=_ours(
+        cfg, eagle_config_layer_id_convention=SGLANG_LAYER_ID_CONVENTION, **extra))
 
 
 def manifest_hash(manifest: dict) -> str:
@@ -258,10 +274,9 @@ def save_drafter(directory: str, state_dict: dict[str, torch.Tensor], config: Dr
     tool version and creation time."""
     state = {k: v for k, v in state_dict.items() if not _dropped(k)}
     check_state_dict(state, config, f"save_drafter({directory})")
-    if len(config.aux_layer_ids) != 3:
-        raise ValueError(f"save_drafter({directory}): DraftConfig.aux_layer_ids must hold the "
-                         f"3 verifier layer ids, got {config.aux_layer_ids}")
-    cfg_json = dict(engine_config(config, _dtype_name(state)), eagle3_ray=_ours(config))
+    verifier.check_layer_ids(config.aux_layer_ids,
+                             where=f"save_drafter({directory}): DraftConfig.aux_layer_ids")
+    cfg_json = _engine_json(config, _dtype_name(state))
     meta = dict(meta or {})
     meta.setdefault("tool_version", __version__)
     meta.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -336,32 +351,52 @@ def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, 
 
 # --- export -----------------------------------------------------------------------------------
 
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+# Both engines build the drafter's MLP from their Llama MLP, which refuses any other activation
+# (vllm/model_executor/models/llama.py and python/sglang/srt/models/llama.py, LlamaMLP).
+ENGINE_ACTIVATION = "silu"
+
+
 def sglang_layer_ids(vllm_ids: list[int]) -> list[int]:
     """vLLM-convention aux ids (input of layer i) -> SGLang config ids (i - 1): SGLang adds 1
     to each configured id (python/sglang/srt/models/llama.py, set_eagle3_layers_to_capture)."""
-    if any(i < 1 for i in vllm_ids):
-        raise ValueError(f"aux layer ids {vllm_ids}: SGLang cannot capture the input of layer 0 "
-                         "(its config id would be -1); extract with ids >= 1")
-    return [i - 1 for i in vllm_ids]
+    return [i - 1 for i in verifier.check_layer_ids(vllm_ids)]
 
 
-def _sglang_config(cfg: DraftConfig, dtype: str) -> dict:
-    out = engine_config(cfg, dtype)
-    del out["eagle_aux_hidden_state_layer_ids"]     # vLLM-only key; SGLang reads eagle_config
-    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.aux_layer_ids),
-                           "use_aux_hidden_state": True}
-    out["eagle3_ray"] = _ours(cfg, export="sglang",
-                              exported_layer_id_convention=SGLANG_LAYER_ID_CONVENTION)
-    return out
+def _verifier_dir(spec: str | None, why: str) -> str:
+    """The verifier's transformers directory (a GGUF verifier is materialized), absolute."""
+    if not spec:
+        raise ValueError(f"export: {why}, and meta.json names no verifier: pass --verifier-path")
+    try:
+        return os.path.abspath(verifier.materialize(spec))
+    except FileNotFoundError as e:
+        raise ValueError(f"export: {why}, but the verifier {spec!r} is not here ({e}); pass "
+                         "--verifier-path") from None
 
 
-def _vllm_config(cfg: DraftConfig, dtype: str) -> dict:
-    return dict(engine_config(cfg, dtype), eagle3_ray=_ours(
-        cfg, export="vllm", exported_layer_id_convention=schema.LAYER_ID_CONVENTION))
+def verifier_dtype(directory: str) -> str:
+    """The dtype a verifier's config.json names ("dtype", or "torch_dtype" before transformers
+    5); float32 when it names none, as transformers and the engines read such a config."""
+    with open(os.path.join(directory, "config.json")) as f:
+        c = json.load(f)
+    return str(c.get("dtype") or c.get("torch_dtype") or "float32").removeprefix("torch.")
 
 
-def _speculators_config(cfg: DraftConfig, dtype: str, verifier: str | None,
-                        verifier_architectures: list[str], speculative_tokens: int) -> dict:
+def check_loadable_verifier(directory: str) -> str:
+    """speculators' Eagle3DraftModel.from_pretrained reads `verifier.name_or_path` as a local
+    directory (else a model-hub id): its config.json (AutoConfig) and the embedding / lm_head
+    from model.safetensors or the shards of model.safetensors.index.json
+    (src/speculators/utils/loading.py, load_model_layers). Refuse a path that lacks them."""
+    files = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    if "config.json" not in files or not {WEIGHTS, WEIGHTS + ".index.json"} & files:
+        raise ValueError(f"export: verifier path {directory} has no config.json + "
+                         f"{WEIGHTS}(.index.json): speculators could not load it; pass "
+                         "--verifier-path with the verifier's transformers directory")
+    return directory
+
+
+def _speculators_config(cfg: DraftConfig, dtype: str, verifier_path: str,
+                        speculative_tokens: int) -> dict:
     layer = {
         "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
@@ -372,6 +407,8 @@ def _speculators_config(cfg: DraftConfig, dtype: str, verifier: str | None,
         "rope_scaling": cfg.rope_scaling, "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False, "torch_dtype": dtype,
     }
+    with open(os.path.join(verifier_path, "config.json")) as f:
+        architectures = json.load(f).get("architectures") or []
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -380,7 +417,9 @@ def _speculators_config(cfg: DraftConfig, dtype: str, verifier: str | None,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
         "norm_before_fc": False, "fc_norm": False, "norm_output": False,
         "target_hidden_size": cfg.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),   # vLLM convention
+        # vLLM's speculators reader (algos.py, update_eagle3) and speculators read this one
+        # list, as vLLM ids; no engine reads an eagle_config here.
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -388,10 +427,9 @@ def _speculators_config(cfg: DraftConfig, dtype: str, verifier: str | None,
                                   "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures)},
+            "verifier": {"name_or_path": verifier_path, "architectures": architectures},
         },
-        "eagle3_ray": _ours(cfg, export="speculators",
-                            exported_layer_id_convention=schema.LAYER_ID_CONVENTION),
+        "eagle3_ray": _ours(cfg, export="speculators"),
     }
 
 
@@ -403,24 +441,44 @@ def _speculators_weights(state: dict[str, torch.Tensor], cfg: DraftConfig) -> di
     return out
 
 
-def export(src_dir: str, out_dir: str, format: str, verifier: str | None = None,
-           speculative_tokens: int | None = None) -> str:
+def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = None,
+           speculative_tokens: int | None = None, dtype: str | None = None) -> str:
     """Write `out_dir` with what `format` ("sglang", "vllm", "speculators") loads for an
-    EAGLE-3 drafter: model.safetensors + config.json. For "speculators", `verifier` (HF id or
-    path; default meta.json's "verifier") and `speculative_tokens` (default meta.json's
-    "serving_depth", else "ttt_steps", else 3) fill speculators_config. Returns out_dir."""
+    EAGLE-3 drafter: model.safetensors + config.json, its float tensors and torch_dtype in
+    `dtype` (default: the verifier's, as its config.json names it; training keeps fp32).
+    `verifier_path` (default meta.json's "verifier"; a directory, .gguf or embedded:smollm2,
+    materialized) gives that dtype and, for "speculators", speculators_config.verifier
+    .name_or_path, which must load (check_loadable_verifier). `speculative_tokens` (default
+    meta.json's "serving_depth", else "ttt_steps", else 3) fills speculators_config.
+    Refuses a drafter whose activation is not silu (no engine loads one). Returns out_dir."""
     if format not in EXPORT_FORMATS:
         raise ValueError(f"export format {format!r}: choose one of {EXPORT_FORMATS}")
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export --dtype {dtype!r}: choose one of {EXPORT_DTYPES}")
     state, cfg, meta = load_drafter(src_dir)
-    dtype = _dtype_name(state)
-    if format == "sglang":
-        tensors, config = state, _sglang_config(cfg, dtype)
-    elif format == "vllm":
-        tensors, config = state, _vllm_config(cfg, dtype)
+    verifier.check_layer_ids(cfg.aux_layer_ids, where=f"{src_dir}: DraftConfig.aux_layer_ids")
+    if cfg.hidden_act != ENGINE_ACTIVATION:
+        raise ValueError(f"{src_dir}: hidden_act {cfg.hidden_act!r}; SGLang's and vLLM's Llama "
+                         f"MLP (the EAGLE-3 drafter's) support only {ENGINE_ACTIVATION!r}, so no "
+                         "engine would load this export (eagle3-ray serve runs it)")
+    spec = verifier_path or meta.get("verifier")
+    vdir = None
+    if format == "speculators":
+        vdir = check_loadable_verifier(_verifier_dir(spec, "speculators needs the verifier's "
+                                                           "path (speculators_config.verifier)"))
+    if dtype is None:
+        dtype = verifier_dtype(vdir or _verifier_dir(spec, "the export dtype is the "
+                                                           "verifier's (or pass --dtype)"))
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export: verifier dtype {dtype!r} is none of {EXPORT_DTYPES}; "
+                             "pass --dtype")
+    to = getattr(torch, dtype)
+    state = {k: v.to(to) if v.is_floating_point() else v for k, v in state.items()}
+    if format in ("sglang", "vllm"):
+        tensors, config = state, _engine_json(cfg, dtype, export=format)
     else:
         k = speculative_tokens or meta.get("serving_depth") or meta.get("ttt_steps") or 3
         tensors = _speculators_weights(state, cfg)
-        config = _speculators_config(cfg, dtype, verifier or meta.get("verifier"),
-                                     meta.get("verifier_architectures") or [], k)
+        config = _speculators_config(cfg, dtype, vdir, k)
     _write_dir(out_dir, tensors, config, None)
     return os.path.abspath(out_dir)

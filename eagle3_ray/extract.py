@@ -44,7 +44,8 @@ class ExtractConfig:
     inputs: list[str] = field(default_factory=lambda: [data.EMBEDDED_SHAREGPT])  # files/dirs/URIs
     output: str = "runs/extract"         # dataset directory: local path or pyarrow-filesystem URI
     verifier: str = verifier.EMBEDDED_VERIFIER  # transformers dir, .gguf file, or embedded:smollm2
-    layer_ids: list[int] | None = None   # aux layers, vLLM convention; None = (2, L//2, L-3)
+    layer_ids: list[int] | None = None   # aux layers, vLLM convention, each >= 1, sorted
+                                         # ascending; None = (2, L//2, L-3)
     max_length: int = 2048               # tokens per sample after the chat template (truncate)
     sample_limit: int | None = None      # first N usable conversations (defines the dataset)
     replicas: int = 1                    # verifier replicas = extractor actors
@@ -72,9 +73,10 @@ class ExtractConfig:
 
 def dataset_facts(cfg: ExtractConfig, config, tokenizer) -> dict:
     """Everything that identifies the dataset; stored in each part and in the manifest."""
+    # Sorted: the engines concatenate the aux states in ascending layer order (check_layer_ids).
     layer_ids = verifier.check_layer_ids(
-        cfg.layer_ids or verifier.default_aux_layer_ids(config.num_hidden_layers),
-        config.num_hidden_layers)
+        sorted(cfg.layer_ids or verifier.default_aux_layer_ids(config.num_hidden_layers)),
+        config.num_hidden_layers, where="--layer-ids (ExtractConfig.layer_ids)")
     facts = verifier.verifier_facts(cfg.verifier, config, tokenizer, layer_ids)
     regen = None
     if cfg.regenerate:

@@ -110,6 +110,10 @@ class _Sampling(BaseModel):
     speculation_depth: int | None = None  # extension: this request's depth (<= max_depth)
 
 
+# The roles the OpenAI chat API accepts; any other is a 400, never rendered by the template.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 class ChatRequest(_Sampling):
     messages: list[dict]
 
@@ -311,6 +315,9 @@ class Engine:
                 if not isinstance(m.get("role"), str) or not isinstance(content, str):
                     raise ApiError(400, f"messages[{i}] needs a string role and text content",
                                    f"messages.{i}")
+                if m["role"] not in CHAT_ROLES:
+                    raise ApiError(400, f"messages[{i}].role: {m['role']!r} is not one of "
+                                        f"{', '.join(CHAT_ROLES)}", f"messages.{i}.role")
                 messages.append({"role": m["role"], "content": content})
             try:
                 ids = data.prompt_ids(self.tok, messages)

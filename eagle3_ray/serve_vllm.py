@@ -90,7 +90,11 @@ def ensure_vllm_export(cfg) -> str:
     source = {"files": _drafter_files(cfg.drafter)}
     if _read_source(out) == source and os.path.isfile(os.path.join(out, checkpoint.CONFIG)):
         return out
-    checkpoint.export(cfg.drafter, out, "vllm")
+    # The verifier's dtype when it is local; else any: vLLM runs the draft in the target's dtype
+    # (vllm/config/speculative.py builds the draft ModelConfig with the target's dtype).
+    local = os.path.isfile(os.path.join(cfg.verifier, "config.json"))
+    checkpoint.export(cfg.drafter, out, "vllm", verifier_path=cfg.verifier if local else None,
+                      dtype=None if local else "bfloat16")
     # Written after the (atomic) export: a crash in between leaves no marker -> re-export.
     with open(os.path.join(out, SOURCE_FILE), "w") as f:
         json.dump(source, f, indent=2)

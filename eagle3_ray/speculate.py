@@ -128,7 +128,8 @@ class Speculator:
         if drafter is not None:
             self.layer_ids = verifier_lib.check_layer_ids(
                 layer_ids or drafter.config.aux_layer_ids
-                or verifier_lib.default_aux_layer_ids(n_layers), n_layers)
+                or verifier_lib.default_aux_layer_ids(n_layers), n_layers,
+                where="layer_ids" if layer_ids else "drafter.config.aux_layer_ids")
 
     # --- the two models ----------------------------------------------------------------------
 

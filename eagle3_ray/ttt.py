@@ -22,9 +22,11 @@ Loss: soft cross-entropy against p_teacher on the learnable positions of each st
 Σ_k w^k loss_k / Σ_k w^k; lm_head + log_softmax run on gathered valid rows only, in checkpointed
 chunks, so no [S, Vd] fp32 logits are held per step.
 
-Differences from SpecForge (specforge/core/eagle3.py, on purpose): the loss mask is taken at the
-target's position t+1+k (SpecForge: t+k), and the step-0 keys stay visible up to t at every step
-(SpecForge masks one more diagonal of the causal block per step, a mask inference never uses).
+Mask as in SpecForge: its step-0 keys are plain causal at every step too (specforge/modeling/
+draft/flex_attention.py generate_eagle3_mask: causal block | same-position suffix keys; the mask
+that hid one more diagonal per step went in SpecForge #245, "remove attention mask shift").
+Difference from SpecForge (specforge/algorithms/eagle3/model.py, formerly core/eagle3.py, on
+purpose): the loss mask is taken at the target's position t+1+k (SpecForge: t+k).
 
     python -m eagle3_ray.ttt --ttt-steps 4      # tiny random drafter + batch: loss and metrics
 """

@@ -147,11 +147,27 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def check_layer_ids(layer_ids, num_layers: int) -> list[int]:
+def check_layer_ids(layer_ids, num_layers: int | None = None,
+                    where: str = "aux_layer_ids") -> list[int]:
+    """The rule every stage applies to aux layer ids (vLLM convention: the input of decoder
+    layer i): 3 distinct ids, each >= 1 (and < num_layers), ascending. Errors name `where`.
+    >= 1: vLLM captures `hidden_states + residual` before layer i, and there is no residual
+    before layer 0 (vllm/model_executor/models/llama.py); SGLang's id would be -1.
+    Ascending: both engines capture in one pass over the layers (`if i in layers_to_capture`),
+    so they concatenate the aux states in ascending layer order whatever the config's order."""
     ids = [int(i) for i in layer_ids]
-    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i < num_layers for i in ids):
-        raise ValueError(f"aux layer ids {ids}: need 3 distinct ids in [0, {num_layers}) "
-                         "(vLLM convention: input of that decoder layer)")
+    top = num_layers if num_layers is not None else float("inf")
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(i < top for i in ids):
+        raise ValueError(f"{where} {ids}: need 3 distinct decoder layer ids"
+                         + (f" in [1, {num_layers})" if num_layers is not None else ""))
+    if min(ids) < 1:
+        raise ValueError(f"{where} {ids}: every id must be >= 1 (the input of decoder layer i; "
+                         "vLLM cannot capture the input of layer 0, whose SGLang id would be -1)")
+    if ids != sorted(ids):
+        raise ValueError(f"{where} {ids}: must be ascending ({sorted(ids)}): SGLang and vLLM "
+                         "concatenate the aux states in ascending layer order, so the fc of a "
+                         "drafter trained in another order sees permuted inputs (re-extract "
+                         "the dataset with sorted ids)")
     return ids
 
 
@@ -171,7 +187,7 @@ def verifier_facts(spec: str, config, tokenizer, layer_ids) -> dict:
         "num_layers": config.num_hidden_layers,
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "aux_layer_ids": list(layer_ids),
+        "aux_layer_ids": check_layer_ids(layer_ids, config.num_hidden_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,
         "dtype": "bfloat16",
         "chat_template_hash": template_hash(tokenizer),

@@ -1,11 +1,12 @@
 """Drafter checkpoint: save/load round trip, atomicity, clear errors, and engine exports."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from eagle3_ray import checkpoint, schema, vocab
 from eagle3_ray.draft import DraftConfig
@@ -32,15 +33,51 @@ def random_state(cfg: DraftConfig, seed: int = 0, dtype=torch.bfloat16) -> dict:
     return state
 
 
-META = {"ttt_steps": 12, "dataset_manifest_hash": "abc123", "metrics": {"acc_0": 0.7},
-        "verifier": "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "verifier_architectures": ["LlamaForCausalLM"]}
+META = {"ttt_steps": 12, "dataset_manifest_hash": "abc123", "metrics": {"acc_0": 0.7}}
+
+
+def fake_verifier(directory, dtype: str | None = "bfloat16", weights: bool = True) -> str:
+    """What export reads of a verifier: config.json (+ model.safetensors, which speculators
+    loads the embedding from)."""
+    os.makedirs(directory, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+              "num_hidden_layers": 8, "vocab_size": 100}
+    if dtype:
+        config["dtype"] = dtype
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    if weights:
+        save_file({"model.embed_tokens.weight": torch.zeros(100, 32)},
+                  os.path.join(directory, "model.safetensors"))
+    return str(directory)
+
+
+def engine_inputs(config: dict) -> dict:
+    """Which verifier layers' *inputs* each engine feeds the fc, in fc order, by its own rules:
+    - vLLM: vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+      (get_eagle3_aux_layers_from_config) takes the top-level eagle_aux_hidden_state_layer_ids
+      (versions that lack it fall back to eagle_config's: vllm/v1/worker/gpu_model_runner.py);
+      vllm/model_executor/models/llama.py appends `hidden_states + residual` before layer idx
+      when `idx in self.aux_hidden_state_layers`, walking the layers in order: ascending.
+    - SGLang: python/sglang/srt/model_executor/model_runner.py reads only
+      eagle_config["eagle_aux_hidden_state_layer_ids"]; python/sglang/srt/models/llama.py
+      set_eagle3_layers_to_capture sets layers_to_capture = [val + 1 ...] and LlamaModel.forward
+      appends `hidden_states + residual` before layer i `if i in self.layers_to_capture`, in
+      layer order: ascending. (SpecForge captures through the same SGLang call.)"""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    vllm = top or config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    out = {"vllm": sorted(vllm)}
+    if "eagle_config" in config:
+        sglang = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        out["sglang"] = sorted(j + 1 for j in sglang)
+    return out
 
 
 @pytest.fixture
 def saved(tmp_path):
     cfg, state = tiny_config(), random_state(tiny_config())
-    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg, META)
+    meta = dict(META, verifier=fake_verifier(tmp_path / "verifier"))
+    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg, meta)
     return d, state, cfg
 
 
@@ -63,7 +100,9 @@ def test_round_trip(saved):
     config = json.load(open(os.path.join(d, "config.json")))
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["eagle3_ray"]["layer_id_convention"] == schema.LAYER_ID_CONVENTION
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX                  # vLLM reads this
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # SGLang this
+    assert engine_inputs(config) == {"vllm": AUX, "sglang": AUX}  # the same tensors, as trained
     assert config["torch_dtype"] == "bfloat16"
 
 
@@ -170,24 +209,20 @@ def _check_llama_eagle3_config(config, cfg):
     assert config["tie_word_embeddings"] is False and config["norm_before_residual"] is False
     assert config["rope_theta"] == 50000.0 and config["rope_scaling"]["rope_type"] == "llama3"
     assert config["eagle_config"]["use_aux_hidden_state"] is True
+    # One config both engines read as trained: top level vLLM ids, eagle_config SGLang ids.
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]   # i - 1
+    assert engine_inputs(config) == {"vllm": AUX, "sglang": AUX}
+    assert config["torch_dtype"] == "bfloat16"                  # the (fake) verifier's dtype
 
 
-def test_export_sglang(saved, tmp_path):
-    weights, config, expected, cfg = _export(saved, tmp_path, "sglang")
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_export_llama_eagle3(saved, tmp_path, fmt):
+    weights, config, expected, cfg = _export(saved, tmp_path, fmt)
     assert_same(weights, expected)
     assert "embed_tokens.weight" not in weights
     _check_llama_eagle3_config(config, cfg)
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]   # i - 1
-    assert "eagle_aux_hidden_state_layer_ids" not in config
-    assert config["eagle3_ray"]["export"] == "sglang"
-
-
-def test_export_vllm(saved, tmp_path):
-    weights, config, expected, cfg = _export(saved, tmp_path, "vllm")
-    assert_same(weights, expected)
-    _check_llama_eagle3_config(config, cfg)
-    assert config["eagle_aux_hidden_state_layer_ids"] == AUX                 # used as-is
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert config["eagle3_ray"]["export"] == fmt
 
 
 def test_export_speculators(saved, tmp_path):
@@ -199,24 +234,125 @@ def test_export_speculators(saved, tmp_path):
     tl = config["transformer_layer_config"]
     assert tl["model_type"] == "llama" and tl["vocab_size"] == 100 and tl["hidden_size"] == 32
     assert tl["num_hidden_layers"] == 1 and tl["head_dim"] == 8
+    assert tl["torch_dtype"] == "bfloat16"
     assert config["draft_vocab_size"] == 40 and config["target_hidden_size"] == 32
+    # vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) passes these ids on
+    # as-is: vLLM ids, as trained.
     assert config["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert engine_inputs(config) == {"vllm": AUX}
     assert config["norm_before_residual"] is False
     sc = config["speculators_config"]
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"][0] == {"proposal_type": "greedy", "speculative_tokens": 12,
                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}
-    assert sc["verifier"] == {"name_or_path": META["verifier"],
-                              "architectures": ["LlamaForCausalLM"]}
-    _, config, _, _ = _export(saved, tmp_path, "speculators", verifier="v/x",
+    # speculators reads the verifier's config + embedding from name_or_path: the verifier's
+    # directory, absolute (src/speculators/utils/loading.py load_model_layers, _resolve_file).
+    verifier_dir = str(tmp_path / "verifier")
+    assert sc["verifier"] == {"name_or_path": verifier_dir, "architectures": ["LlamaForCausalLM"]}
+    other = fake_verifier(tmp_path / "other")
+    _, config, _, _ = _export(saved, tmp_path, "speculators", verifier_path=other,
                               speculative_tokens=4)
-    assert config["speculators_config"]["verifier"]["name_or_path"] == "v/x"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == other
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+
+
+def test_speculators_verifier_must_load(saved, tmp_path):
+    """A name_or_path speculators cannot load (the spec string a run used, a directory without
+    weights) is refused and nothing is written."""
+    d, state, cfg = saved
+    out = str(tmp_path / "spec")
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"                 # no such directory here
+    with pytest.raises(ValueError, match=f"{hub_id}.*--verifier-path"):
+        checkpoint.export(d, out, "speculators", verifier_path=hub_id)
+    config_only = fake_verifier(tmp_path / "config_only", weights=False)
+    with pytest.raises(ValueError, match="config_only.*speculators could not load"):
+        checkpoint.export(d, out, "speculators", verifier_path=config_only)
+    plain = checkpoint.save_drafter(str(tmp_path / "plain"), state, cfg, {"ttt_steps": 3})
+    with pytest.raises(ValueError, match="names no verifier.*--verifier-path"):
+        checkpoint.export(plain, out, "speculators")
+    assert not os.path.exists(out)
+
+
+def test_export_dtype_is_the_verifiers(tmp_path):
+    """Training keeps fp32 masters; the export is in the verifier's dtype (SGLang takes the
+    draft's dtype from its config.json, python/sglang/srt/configs/model_config.py
+    _get_and_verify_dtype: float32 or none -> float16 under "auto"), --dtype overrides, and
+    torch_dtype always names the tensors' dtype."""
+    cfg = tiny_config()
+    state = random_state(cfg, dtype=torch.float32)
+    meta = {"verifier": fake_verifier(tmp_path / "v_bf16", dtype="bfloat16")}
+    d = checkpoint.save_drafter(str(tmp_path / "fp32"), state, cfg, meta)
+    assert json.load(open(os.path.join(d, "config.json")))["torch_dtype"] == "float32"
+
+    def exported(fmt, **kw):
+        out = checkpoint.export(d, str(tmp_path / "out"), fmt, **kw)
+        w = load_file(os.path.join(out, "model.safetensors"))
+        c = json.load(open(os.path.join(out, "config.json")))
+        named = c.get("torch_dtype") or c["transformer_layer_config"]["torch_dtype"]
+        return {w[k].dtype for k in w if w[k].is_floating_point()}, named, w
+
+    for fmt in checkpoint.EXPORT_FORMATS:
+        dtypes, named, w = exported(fmt)
+        assert dtypes == {torch.bfloat16} and named == "bfloat16", fmt
+        assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    torch.testing.assert_close(w["fc.weight"].float(), state["fc.weight"], rtol=1e-2, atol=1e-2)
+    assert exported("sglang", dtype="float16")[:2] == ({torch.float16}, "float16")
+    no_dtype = fake_verifier(tmp_path / "v_none", dtype=None)     # transformers reads float32
+    assert exported("vllm", verifier_path=no_dtype)[:2] == ({torch.float32}, "float32")
+    with pytest.raises(ValueError, match="--dtype"):
+        checkpoint.export(d, str(tmp_path / "x"), "vllm", dtype="int8")
+    plain = checkpoint.save_drafter(str(tmp_path / "plain"), state, cfg, {})
+    with pytest.raises(ValueError, match="names no verifier.*--verifier-path"):
+        checkpoint.export(plain, str(tmp_path / "x"), "sglang")
+    assert checkpoint.export(plain, str(tmp_path / "x"), "sglang", dtype="bfloat16")  # none needed
+
+
+def test_export_refuses_an_activation_the_engines_refuse(tmp_path):
+    """vllm/model_executor/models/llama.py and python/sglang/srt/models/llama.py: LlamaMLP
+    raises 'Unsupported activation' for anything but silu; the engines' llama_eagle3.py build
+    the drafter's MLP from it."""
+    cfg = tiny_config(hidden_act="gelu")
+    d = checkpoint.save_drafter(str(tmp_path / "gelu"), random_state(cfg), cfg,
+                                {"verifier": fake_verifier(tmp_path / "v")})
+    for fmt in checkpoint.EXPORT_FORMATS:
+        with pytest.raises(ValueError, match="hidden_act 'gelu'.*silu"):
+            checkpoint.export(d, str(tmp_path / fmt), fmt)
+        assert not os.path.exists(tmp_path / fmt)
+
+
+def _rewrite_layer_ids(directory: str, ids: list[int]) -> None:
+    """An old checkpoint written before the rule: same-size config.json with other ids."""
+    path = os.path.join(directory, "config.json")
+    config = json.load(open(path))
+    config["eagle3_ray"]["draft_config"]["aux_layer_ids"] = ids
+    size = os.path.getsize(path)
+    checkpoint._write_json(path, config)
+    assert os.path.getsize(path) == size
+
+
+def test_layer_ids_ascending_and_at_least_one(saved, tmp_path):
+    """Ids < 1: vLLM's capture adds the residual, which does not exist before layer 0
+    (vllm/model_executor/models/llama.py); SGLang's id would be -1. Unsorted: both engines
+    concatenate in ascending layer order (engine_inputs), so the fc would see permuted blocks."""
+    d, state, cfg = saved
+    for ids, why in (([0, 3, 5], ">= 1"), ([5, 2, 4], r"ascending \(\[2, 4, 5\]\)"),
+                     ([2, 2, 5], "3 distinct")):
+        bad = tiny_config(aux_layer_ids=ids)
+        with pytest.raises(ValueError, match=re.escape(f"aux_layer_ids {ids}") + ".*" + why):
+            checkpoint.save_drafter(str(tmp_path / "bad"), random_state(bad), bad, META)
+        assert not os.path.exists(tmp_path / "bad")
+    for ids, why in (([5, 2, 4], "ascending"), ([0, 4, 5], ">= 1")):
+        _rewrite_layer_ids(d, ids)
+        for fmt in checkpoint.EXPORT_FORMATS:
+            with pytest.raises(ValueError, match=re.escape(f"aux_layer_ids {ids}") + ".*" + why):
+                checkpoint.export(d, str(tmp_path / fmt), fmt)
+            assert not os.path.exists(tmp_path / fmt)
 
 
 def test_export_full_vocab_and_errors(tmp_path, saved):
     cfg = tiny_config(draft_vocab_size=100)
-    d = checkpoint.save_drafter(str(tmp_path / "full"), random_state(cfg), cfg)
+    d = checkpoint.save_drafter(str(tmp_path / "full"), random_state(cfg), cfg,
+                                {"verifier": fake_verifier(tmp_path / "v")})
     w = load_file(os.path.join(checkpoint.export(d, str(tmp_path / "s"), "speculators"),
                                "model.safetensors"))
     assert "d2t" not in w and "t2d" not in w                  # identity: speculators omits them
@@ -225,11 +361,6 @@ def test_export_full_vocab_and_errors(tmp_path, saved):
     assert int(w["d2t"].abs().sum()) == 0 and bool(w["t2d"].all())
     with pytest.raises(ValueError, match="export format"):
         checkpoint.export(saved[0], str(tmp_path / "x"), "onnx")
-    cfg0 = tiny_config(aux_layer_ids=[0, 3, 5])
-    d0 = checkpoint.save_drafter(str(tmp_path / "zero"), random_state(cfg0), cfg0)
-    with pytest.raises(ValueError, match="SGLang cannot capture"):
-        checkpoint.export(d0, str(tmp_path / "sg"), "sglang")
-    assert not os.path.exists(tmp_path / "sg")
     with pytest.raises(FileNotFoundError, match="meta.json"):
         checkpoint.load_drafter(str(tmp_path / "v"))          # an export is not a checkpoint
 

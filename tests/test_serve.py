@@ -161,6 +161,21 @@ def test_bad_input_gets_openai_errors_and_the_replica_keeps_serving(server, body
     assert post(url, "/v1/chat/completions", chat(max_tokens=2)).status_code == 200
 
 
+def test_unknown_chat_role_is_a_400_naming_the_field(server):
+    """The OpenAI API answers 400 for a role outside system/user/assistant/tool/developer; the
+    chat template must never render one."""
+    url, _ = server
+    body = chat()
+    body["messages"] = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "zap"}]
+    r = post(url, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "messages.1.role"
+    assert err["message"].startswith("messages[1].role: 'wizard' is not one of system, user")
+    body["messages"][1]["role"] = "assistant"
+    assert post(url, "/v1/chat/completions", body).status_code == 200
+
+
 def test_api_key_models_health(server):
     url, _ = server
     r = post(url, "/v1/chat/completions", chat(), headers={})

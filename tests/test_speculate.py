@@ -23,7 +23,7 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
     vd = draft_vocab or vocab
-    c = DraftConfig.from_verifier_config(cfg, vd, [0, layers // 2, layers - 1])
+    c = DraftConfig.from_verifier_config(cfg, vd, [1, layers // 2, layers - 1])  # ids >= 1
     drafter = Eagle3Drafter(c).eval()
     drafter.t2d[:vd] = True  # draft ids = the first vd target ids (d2t = 0)
     return model, drafter
@@ -197,7 +197,9 @@ def test_sampling_matches_the_verifier_distribution(top_p):
     seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
     the drafter's own proposals (what an accept-everything bug would emit) clearly do not."""
     vocab, n, steps, temp = 12, 1500, 3, 1.0
-    model, drafter = tiny_pair(vocab=vocab, layers=3, hidden=32, head_scale=12.0, seed=1)
+    # 4 layers: the smallest verifier with 3 distinct aux ids >= 1 (verifier.check_layer_ids);
+    # seed 3: a drafter far enough from this verifier for the power check below
+    model, drafter = tiny_pair(vocab=vocab, layers=4, hidden=32, head_scale=12.0, seed=3)
     spec = Speculator(model, drafter)
     prompt = [1, 5, 7]
     exact = exact_marginals(model, prompt, temp, top_p, steps)
