@@ -386,7 +386,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 max_tokens: int = 64, out_dir: str = "runs/bench",
                 spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0,
                 simulate: str | None = None, dynamic: bool = True, peers: bool = True,
-                prompt_lookup=SERVE_PROMPT_LOOKUP) -> dict:
+                prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (planner.
@@ -396,6 +396,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     peers: also transformers' own greedy `generate` and its prompt-lookup speculation with each
     k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
     the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
+    num_gpus: the verifier's GPUs (0: CPU; the GPU check runs this on one GPU).
     Writes <out_dir>/serve.json + serve.png (serve-sim-<profile>.* when simulating)."""
     import functools
     from eagle3_ray import planner, speculate
@@ -408,12 +409,12 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     if peers and any(int(k) <= 0 for k in prompt_lookup):
         raise ValueError(f"prompt lookup tokens {list(prompt_lookup)}: each must be > 0")
     drafter_dir = drafter_dir or best_quality_drafter(out_dir)
-    tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec)
+    tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec, num_gpus=num_gpus)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())    # patches `model` (batch invariance)
     max_depth = max(depths)
     # the peers run on their own copy: transformers as a user has it (its default attention)
-    hf = verifier.load_verifier(spec, dtype=model.dtype) if peers else None
+    hf = verifier.load_verifier(spec, dtype=model.dtype, num_gpus=num_gpus) if peers else None
     peer_ks = {"generate": 0} if peers else {}
     peer_ks.update({f"prompt_lookup_{k}": int(k) for k in (prompt_lookup if peers else ())})
     peer_runs = {a: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "drafted": 0,

@@ -349,6 +349,31 @@ def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, 
     return state, cfg, meta
 
 
+def check_drafter(directory: str, vcfg, verifier_name: str = "the verifier") -> dict:
+    """Refuse a drafter that does not fit a verifier (its transformers config `vcfg`): hidden
+    size, vocab, aux layer ids, the verifier config hash it was trained on. Reads only the
+    drafter's config/meta JSON. Returns its meta. (Both servers, serve.py and serve_vllm.py,
+    call it from here: neither imports the other for it.)"""
+    c, meta = read_drafter_config(directory)
+    problems = []
+    if c.hidden_size != vcfg.hidden_size:
+        problems.append(f"hidden_size {c.hidden_size} != verifier {vcfg.hidden_size}")
+    if c.vocab_size != vcfg.vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != verifier {vcfg.vocab_size}")
+    try:
+        verifier.check_layer_ids(c.aux_layer_ids, vcfg.num_hidden_layers)
+    except ValueError as e:
+        problems.append(str(e))
+    want = (meta.get("verifier_facts") or {}).get("verifier_config_hash")
+    if want and want != verifier.config_hash(vcfg):
+        problems.append(f"trained on verifier config {want}, this verifier's is "
+                        f"{verifier.config_hash(vcfg)}")
+    if problems:
+        raise ValueError(f"drafter {directory} does not match verifier {verifier_name}: "
+                         + "; ".join(problems))
+    return meta
+
+
 # --- export -----------------------------------------------------------------------------------
 
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")

@@ -9,6 +9,8 @@
     eagle3-ray bench regen --samples 32 --max-new-tokens 128   # batched generation vs HF loops
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml  # measure this machine -> node profile
     eagle3-ray plan --acceptance runs/bench/quality.json --profile pcie-8x-rtx-pro-6000-kimi-k2.5
+    eagle3-ray plan --sweep 0.6 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
+        --compare pcie-8x-rtx-pro-6000-kimi-k2.5-allreduce-curve   # best depth: alpha/beta vs curve
 """
 from __future__ import annotations
 
@@ -200,6 +202,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
                    "profile's all-reduce time in every verify (a SIMULATED interconnect)")
     p.add_argument("--no-dynamic", action="store_true", help="serve: skip the dynamic-depth run")
+    p.add_argument("--gpus", type=int, default=0, help="serve: GPUs for the verifier (0: CPU)")
     p.add_argument("--depths", type=int, nargs="+", help="serve: fixed depths to run, 0 "
                    "included (default: 0 1 2 3 4 6 8 12 16)")
     p.add_argument("--no-peers", action="store_true", help="serve: skip the transformers arms "
@@ -239,7 +242,7 @@ def cmd_bench(a):
         bench.bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8,
                           max_tokens=a.max_tokens, out_dir=a.out, simulate=a.simulate,
                           dynamic=not a.no_dynamic, peers=not a.no_peers,
-                          prompt_lookup=tuple(a.prompt_lookup_tokens),
+                          prompt_lookup=tuple(a.prompt_lookup_tokens), num_gpus=a.gpus,
                           **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "regen":  # batched generation in-process, no Ray
@@ -287,11 +290,15 @@ def cmd_profile(a):
     ms = prof.verify_ms
     print(f"[profile] verify {ms[1]:.2f} ms (1 token) .. {ms[max(ms)]:.2f} ms ({max(ms)} tokens), "
           f"draft step {prof.draft_step_ms:.2f} ms, {prof.gpus} GPU(s) -> {a.out}")
+    if prof.interconnect.allreduce_us:
+        print(f"[profile] all-reduce {planner.allreduce_model(prof)}")
 
 
 def cmd_plan(a):
     import json
     from eagle3_ray import planner
+    if a.sweep:
+        return plan_sweep(a)
     cond, known, desc = planner.acceptance_from(a.acceptance, a.ttt)
     costs = planner.train_costs_from(a.bench_train) if a.bench_train else None
     result = planner.plan(cond, planner.load_profile(a.profile), a.max_depth, known, costs)
@@ -319,6 +326,26 @@ def cmd_plan(a):
     if other:
         print(f"[plan] {result['comparison']}")
     print(f"[plan] -> {a.out}/plan.json, {a.out}/plan.png")
+
+
+def plan_sweep(a):
+    """plan --sweep: best depth per constant acceptance level on --profile (and --compare)."""
+    import json
+    from eagle3_ray import planner
+    profiles = [planner.load_profile(a.profile)]
+    if a.compare:
+        profiles.append(planner.load_profile(a.compare))
+    result = planner.sweep(a.sweep, profiles, a.max_depth)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sweep.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    for name, how in result["allreduce_model"].items():
+        print(f"[plan] {name}: all-reduce {how}")
+    print(planner.format_sweep(result))
+    for name, ws in result["warnings"].items():
+        for w in ws:
+            print(f"[plan] warning: {name}: {w}")
+    print(f"[plan] -> {a.out}/sweep.json")
 
 
 def main(argv=None) -> int:
@@ -375,9 +402,13 @@ def main(argv=None) -> int:
     f.set_defaults(fn=cmd_profile)
 
     n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node (JSON + PNG)")
-    n.add_argument("--acceptance", required=True,
-                   help="training run dir, bench quality/serve JSON, http(s) URL of a server, "
-                        "or a list like 0.8,0.75,0.7")
+    src = n.add_mutually_exclusive_group(required=True)
+    src.add_argument("--acceptance",
+                     help="training run dir, bench quality/serve JSON, http(s) URL of a server, "
+                          "or a list like 0.8,0.75,0.7")
+    src.add_argument("--sweep", type=float, nargs="+", metavar="A",
+                     help="instead: best depth for each constant acceptance level A on "
+                          "--profile (and --compare) -> a table + sweep.json")
     n.add_argument("--profile", required=True, help="packaged profile name or YAML path")
     n.add_argument("--compare", help="a second profile, planned alongside")
     n.add_argument("--max-depth", type=int, default=32)

@@ -252,6 +252,26 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def heldout_prompts(tokenizer, n: int, skip: int = 5000, max_prompt: int = 256) -> list[list[int]]:
+    """First user turns of embedded ShareGPT conversations past the first `skip` usable ones
+    (bench quality trains on the first ~1,200), rendered with the chat template: 8 to
+    `max_prompt` tokens each, at most n. (The same selection as bench.heldout_prompts; here so
+    that regen.py, below bench, can use it without an import circle.)"""
+    out = []
+    for i, (_, messages) in enumerate(iter_samples([EMBEDDED_SHAREGPT])):
+        if i < skip:
+            continue
+        turn = next((m for m in messages if m["role"] == "user"), None)
+        if not turn:
+            continue
+        ids = prompt_ids(tokenizer, [turn])
+        if 8 <= len(ids) <= max_prompt:
+            out.append(ids)
+        if len(out) == n:
+            return out
+    return out
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int):
     """-> (input_ids, loss_mask) as int lists, truncated to max_length; SkipRecord if unusable.
 

@@ -4,6 +4,7 @@ Cost model (../shared/DESIGN.md, "Cost model"). With conditional acceptance a_j 
 position j and p_i = Π_{j<=i} a_j (the chance that position i is accepted):
     E[τ](k)      = 1 + Σ_{i<k} p_i                      tokens per round at depth k
     comm(t)      = N_ar·(α + 2(n−1)/n · t·H·B / BW)     N_ar all-reduces of t tokens, n GPUs
+                   or N_ar·AR(t·H·B)                    AR: a measured all-reduce curve
     t_verify(t)  = compute(t) + comm(t)                 compute(t): the profile's table
     T_round(k)   = k·t_draft + t_verify(k+1)
     tokens/s(k)  = E[τ](k) / T_round(k),   speedup(k) = E[τ](k) · T_round(0) / T_round(k)
@@ -12,13 +13,18 @@ the deeper it drafts, so a node with slow all-reduces (PCIe) goes deeper than on
 (NVLink); growing per-token costs (draft steps, MoE experts touched, transfer) stop it.
 
 A node profile is data: a YAML file (eagle3_ray/profiles/<name>.yaml, or any path) with the
-verify compute time per number of tokens, the draft step time and the interconnect. `eagle3-ray
-profile` measures one; the packaged ones are derived from spec sheets (see their comments).
+verify compute time per number of tokens, the draft step time and the interconnect: α/β, or a
+measured all-reduce time per message size (`interconnect.allreduce_us`, interpolated log-log;
+α/β is the fallback when a profile has none). `eagle3-ray profile` measures one (the curve with
+several GPUs); the packaged ones are derived from spec sheets or published measurements (see
+their comments).
 Acceptance comes from a training run, `bench quality` / `bench serve` JSON, a server's /metrics,
 or a literal list; past the measured positions it is extrapolated conservatively and marked.
 
     eagle3-ray plan --acceptance 0.8,0.75,0.7,0.65 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
         --compare nvlink-8x-h100-kimi-k2.5 --out /tmp/plan          # CPU, a second
+    eagle3-ray plan --sweep 0.5 0.6 0.7 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
+        --compare pcie-8x-rtx-pro-6000-kimi-k2.5-allreduce-curve     # best depth vs acceptance
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml              # measure this machine
 """
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,6 +53,9 @@ class Interconnect:
     allreduces_per_forward: int   # N_ar: tensor-parallel all-reduces per verifier forward
     hidden_size: int              # H: an all-reduce message is tokens·H·B bytes
     bytes_per_elem: int           # B: bytes per activation element (2 = bf16)
+    allreduce_us: dict[int, float] | None = None  # measured: message bytes -> µs of one
+                                  # all-reduce on the profile's GPUs; used instead of α/β
+                                  # when present (allreduce_curve_us)
 
 
 @dataclass
@@ -83,6 +93,20 @@ def _number(d: dict, key: str, where: str, kind=float, minimum: float = 0.0):
     return kind(v)
 
 
+def _curve(c, where: str) -> dict[int, float] | None:
+    """allreduce_us: None, or a mapping of >= 2 message sizes (bytes, integers >= 1) to µs."""
+    if c is None:
+        return None
+    _check(isinstance(c, dict) and len(c) >= 2, where,
+           "must be a mapping of at least 2 message sizes (bytes) to microseconds")
+    out = {}
+    for k, v in c.items():
+        _check(isinstance(k, int) and not isinstance(k, bool) and k >= 1, where,
+               f"message sizes must be integers (bytes) >= 1, got {k!r}")
+        out[k] = _number(c, k, where, float, 1e-12)
+    return dict(sorted(out.items()))
+
+
 def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
     """A parsed YAML mapping -> NodeProfile, or ValueError naming `where` and the field."""
     _check(isinstance(d, dict), where, "a profile must be a YAML mapping")
@@ -101,7 +125,8 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
         bandwidth_gbps=_number(ic, "bandwidth_gbps", w, float, 1e-9),
         allreduces_per_forward=_number(ic, "allreduces_per_forward", w, int),
         hidden_size=_number(ic, "hidden_size", w, int, 1),
-        bytes_per_elem=_number(ic, "bytes_per_elem", w, int, 1))
+        bytes_per_elem=_number(ic, "bytes_per_elem", w, int, 1),
+        allreduce_us=_curve(ic.get("allreduce_us"), f"{w}: allreduce_us"))
     _check("verify_ms" in d, where, "missing field 'verify_ms'")
     vm = d["verify_ms"]
     _check(isinstance(vm, dict) and vm, where,
@@ -150,6 +175,11 @@ def load_profile(name_or_path: str) -> NodeProfile:
 def profile_to_dict(p: NodeProfile) -> dict:
     d = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.init}
     d["interconnect"] = dataclasses.asdict(p.interconnect)
+    if p.interconnect.allreduce_us is None:
+        del d["interconnect"]["allreduce_us"]                 # α/β profiles stay as they were
+    else:
+        d["interconnect"]["allreduce_us"] = {int(k): float(v) for k, v in
+                                             sorted(p.interconnect.allreduce_us.items())}
     d["verify_ms"] = {int(k): float(v) for k, v in sorted(p.verify_ms.items())}
     return d
 
@@ -190,16 +220,41 @@ def compute_s(profile: NodeProfile, tokens: int) -> float:
     return _interp(profile._xs, profile._ys, tokens) / 1e3
 
 
+def allreduce_curve_us(curve: dict[int, float], nbytes: float) -> float:
+    """One all-reduce of `nbytes` from a measured curve {bytes: µs}: straight lines between the
+    points on log-log axes (latency and bandwidth regimes are both straight there); below the
+    smallest size, the smallest time (a message is never cheaper than the latency floor);
+    above the largest, the last segment's log-log slope continued (extrapolated: plan() says
+    so)."""
+    xs = sorted(curve)
+    if nbytes <= xs[0]:
+        return float(curve[xs[0]])
+    i = min(bisect.bisect_left(xs, nbytes), len(xs) - 1)       # the segment [xs[i-1], xs[i]]
+    x0, x1 = xs[i - 1], xs[i]
+    slope = math.log(curve[x1] / curve[x0]) / math.log(x1 / x0)
+    if nbytes > x1:                             # past the data: never below its last point
+        return float(curve[x1] * (nbytes / x1) ** max(slope, 0.0))
+    return float(curve[x0] * (nbytes / x0) ** slope)
+
+
+def message_bytes(profile: NodeProfile, tokens: int) -> int:
+    """Bytes of one all-reduce of a verifier forward over `tokens` tokens: tokens·H·B."""
+    return tokens * profile.interconnect.hidden_size * profile.interconnect.bytes_per_elem
+
+
 def _allreduce_s(profile: NodeProfile, tokens: int) -> float:
     n, ic = profile.gpus, profile.interconnect
     if n <= 1:
         return 0.0
-    msg = tokens * ic.hidden_size * ic.bytes_per_elem                  # bytes
+    msg = message_bytes(profile, tokens)                               # bytes
+    if ic.allreduce_us:
+        return allreduce_curve_us(ic.allreduce_us, msg) * 1e-6
     return ic.latency_us * 1e-6 + 2 * (n - 1) / n * msg / (ic.bandwidth_gbps * 1e9)
 
 
 def comm_s(profile: NodeProfile, tokens: int) -> float:
-    """N_ar · (α + 2(n−1)/n · tokens·H·B / BW); 0 on one GPU."""
+    """N_ar · AR(tokens·H·B) with a measured all-reduce curve AR (allreduce_curve_us), else
+    N_ar · (α + 2(n−1)/n · tokens·H·B / BW); 0 on one GPU."""
     return profile.interconnect.allreduces_per_forward * _allreduce_s(profile, tokens)
 
 
@@ -330,7 +385,17 @@ def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
                                         f"{EXTRAPOLATION_WINDOW}) x "
                                         f"{EXTRAPOLATION_DECAY}^distance"},
         "depths": rows, "best_depth": best, "best": rows[best], "ttt_steps": ttt_steps,
+        "allreduce_model": allreduce_model(profile),
         "warnings": [], "profile_detail": profile_to_dict(profile)}
+    curve = profile.interconnect.allreduce_us
+    if curve and profile.gpus > 1 and message_bytes(profile, max_depth + 1) > max(curve):
+        first = next(k for k in range(max_depth + 1)
+                     if message_bytes(profile, k + 1) > max(curve))
+        result["warnings"].append(
+            f"the all-reduce curve is measured up to {max(curve)} bytes; from depth {first} on "
+            f"a verify sends more ({message_bytes(profile, first + 1)} bytes at depth {first}, "
+            f"{message_bytes(profile, max_depth + 1)} at depth {max_depth}): its time there is "
+            f"extrapolated from the curve's last two points (log-log)")
     if best > known:
         result["warnings"].append(
             f"acceptance is measured for positions 0..{known - 1} only: depth {best} relies on "
@@ -353,16 +418,33 @@ def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
     return result
 
 
+def allreduce_model(profile: NodeProfile) -> str:
+    """How the profile prices one all-reduce, in words."""
+    ic = profile.interconnect
+    if profile.gpus <= 1 or not ic.allreduces_per_forward:
+        return "none (one device)"
+    if ic.allreduce_us:
+        pts = ", ".join(f"{_kb(b)}: {us:g} us" for b, us in sorted(ic.allreduce_us.items()))
+        return f"measured curve ({pts}; log-log between points)"
+    return f"alpha/beta ({ic.latency_us:g} us + bytes at {ic.bandwidth_gbps:g} GB/s)"
+
+
+def _kb(nbytes: float) -> str:
+    return f"{nbytes / 1024:g} KB" if nbytes >= 1024 else f"{nbytes:g} B"
+
+
 def why(result: dict, profile: NodeProfile) -> str:
     """A plain-words reason for the best depth: where a round's time goes at depth 0 and at the
     best depth, and what one more draft position would buy."""
     rows, b = result["depths"], result["best_depth"]
     r0, rb = rows[0], rows[b]
     ic = profile.interconnect
+    one = (f"{_allreduce_s(profile, 1) * 1e6:.0f} us each for {_kb(message_bytes(profile, 1))} "
+           f"(measured curve)" if ic.allreduce_us else f"{ic.latency_us:g} us latency")
     lines = [f"{profile.name}{' (SIMULATED interconnect)' if profile.simulated else ''}: "
              f"a depth-0 round costs {r0['round_ms']:.2f} ms, {r0['comm_ms'] / r0['round_ms']:.0%} "
              f"of it communication ({ic.allreduces_per_forward} all-reduces x "
-             f"{ic.latency_us:g} us latency on {profile.gpus} GPUs)."]
+             f"{one} on {profile.gpus} GPUs)."]
     if b == 0:
         r1 = rows[1]
         lines.append(f"Depth 1 would cost {r1['round_ms']:.2f} ms for {r1['accept_len']:.2f} "
@@ -394,8 +476,48 @@ def compare_text(a: dict, b: dict) -> str:
             f"round is {ra0['comm_ms'] / ra0['round_ms']:.0%} communication on {a['profile']} "
             f"({ra0['comm_ms']:.2f} of {ra0['round_ms']:.2f} ms) vs "
             f"{rb0['comm_ms'] / rb0['round_ms']:.0%} on {b['profile']} "
-            f"({rb0['comm_ms']:.2f} of {rb0['round_ms']:.2f} ms): the larger the fixed cost per "
-            f"round, the more tokens per round are worth drafting.")
+            f"({rb0['comm_ms']:.2f} of {rb0['round_ms']:.2f} ms), and one more verified token "
+            f"adds {a['depths'][1]['comm_ms'] - ra0['comm_ms']:.2f} vs "
+            f"{b['depths'][1]['comm_ms'] - rb0['comm_ms']:.2f} ms of communication: the larger "
+            f"the fixed cost per round, the more tokens per round are worth drafting; the more "
+            f"each token adds, the fewer.")
+
+
+def sweep(levels: list[float], profiles: list[NodeProfile], max_depth: int = 32) -> dict:
+    """Best depth for each constant conditional acceptance level a (a_j = a at every position,
+    so E[τ](k) = (1 − a^(k+1)) / (1 − a)) on each profile: how the choice moves with acceptance
+    and with the profile (e.g. α/β against a measured all-reduce curve)."""
+    if not levels or not all(0.0 <= a <= 1.0 for a in levels):
+        raise ValueError(f"--sweep levels must lie in [0, 1], got {levels}")
+    rows, warnings = [], {}
+    for a in levels:
+        row = {"acceptance": a}
+        for p in profiles:
+            r = plan([a] * max_depth, p, max_depth)
+            row[p.name] = {"best_depth": r["best_depth"], "speedup": r["best"]["speedup"],
+                           "tokens_per_s": r["best"]["tokens_per_s"],
+                           "accept_len": r["best"]["accept_len"],
+                           "comm_share_depth0": r["depths"][0]["comm_ms"]
+                           / r["depths"][0]["round_ms"]}
+            warnings.setdefault(p.name, [w for w in r["warnings"] if "curve" in w])
+        rows.append(row)
+    return {"kind": "sweep", "max_depth": max_depth, "profiles": [p.name for p in profiles],
+            "allreduce_model": {p.name: allreduce_model(p) for p in profiles},
+            "rows": rows, "warnings": warnings}
+
+
+def format_sweep(result: dict) -> str:
+    """The sweep as a Markdown table: acceptance | per profile best depth, speedup."""
+    names = result["profiles"]
+    head = "| a (every position) | " + " | ".join(
+        f"best depth, {n} | speedup" for n in names) + " |"
+    lines = [head, "|" + "---|" * (1 + 2 * len(names))]
+    for row in result["rows"]:
+        cells = [f"{row['acceptance']:g}"]
+        for n in names:
+            cells += [str(row[n]["best_depth"]), f"x{row[n]['speedup']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 # --- acceptance sources ----------------------------------------------------------------------
@@ -441,8 +563,18 @@ def _cond_from_accept_lengths(taus: dict[int, float]) -> list[float]:
     return cond
 
 
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text (a server's /metrics) -> {'name{labels}': value}. Lives here, with its
+    reader, so serve.py imports it from the planner and not the other way round."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
 def _from_metrics_text(text: str, where: str) -> tuple[list[float], int, str]:
-    from eagle3_ray.serve import parse_metrics
     m = parse_metrics(text)
     pat = re.compile(r'eagle3_ray_(drafted|accepted)_at_position_total\{position="(\d+)"\}')
     counts: dict[str, dict[int, float]] = {"drafted": {}, "accepted": {}}
@@ -649,46 +781,85 @@ def plot_plan(result: dict, path: str, compare: dict | None = None) -> None:
 
 # --- measuring this machine ------------------------------------------------------------------
 
-def _allreduce_worker(rank: int, world: int, hidden: int, port: int, out: str) -> None:
+# Verify sizes whose all-reduce `profile` times: depths 0, 1, 2, 4, 8, 16, 32.
+CURVE_TOKENS = (1, 2, 3, 5, 9, 17, 33)
+
+
+def _allreduce_worker(rank: int, world: int, sizes: list[int], port: int, out: str,
+                      backend: str, iters: int) -> None:
     import time
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    dtype = torch.bfloat16 if cuda else torch.float32            # gloo: fp32 sums
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     res = {}
-    for tokens in (1, 33):
-        x = torch.ones(tokens * hidden, dtype=torch.bfloat16, device="cuda")   # [t·H]
-        for _ in range(20):
+    for nbytes in sizes:
+        x = torch.ones(max(1, nbytes // dtype.itemsize), dtype=dtype,
+                       device="cuda" if cuda else "cpu")          # [bytes / itemsize]
+        for _ in range(max(5, iters // 10)):                      # warm-up
             dist.all_reduce(x)
-        torch.cuda.synchronize()
+        sync()
+        dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(200):
+        for _ in range(iters):
             dist.all_reduce(x)
-        torch.cuda.synchronize()
-        res[tokens] = (time.perf_counter() - t0) / 200
+        sync()
+        res[nbytes] = (time.perf_counter() - t0) / iters * 1e6    # µs per all-reduce
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
     dist.destroy_process_group()
 
 
-def measure_allreduce(gpus: int, hidden: int) -> tuple[float, float]:
-    """(α µs, BW GB/s) of NCCL all-reduces of 1 and 33 tokens·H bf16 across `gpus` GPUs, one
-    spawned process each. Not exercised by the tests (no multi-GPU machine here)."""
+def measure_allreduce_curve(procs: int, sizes, backend: str = "nccl",
+                            iters: int = 200) -> dict[int, float]:
+    """{message bytes: µs of one all-reduce} across `procs` spawned processes: NCCL with one
+    GPU each (bf16), or gloo between CPU processes (fp32; how the tests run this code)."""
     import socket
     import tempfile
     import torch.multiprocessing as mp
+    sizes = sorted({int(b) for b in sizes})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "allreduce.json")
-        mp.spawn(_allreduce_worker, args=(gpus, hidden, port, out), nprocs=gpus, join=True)
-        t = {int(k): v for k, v in json.load(open(out)).items()}
-    c, m1, m33 = 2 * (gpus - 1) / gpus, hidden * 2, 33 * hidden * 2       # bytes
-    bw = c * (m33 - m1) / max(t[33] - t[1], 1e-9)                         # bytes/s
-    return max(0.0, t[1] - c * m1 / bw) * 1e6, bw / 1e9
+        mp.spawn(_allreduce_worker, args=(procs, sizes, port, out, backend, iters),
+                 nprocs=procs, join=True)
+        return {int(k): round(v, 3) for k, v in json.load(open(out)).items()}
+
+
+def fit_alpha_beta(curve: dict[int, float], gpus: int) -> tuple[float, float]:
+    """(α µs, BW GB/s) of t = α + 2(n−1)/n · bytes / BW fitted to a curve by least squares:
+    the fallback a profile keeps next to its curve. A curve that does not grow with the
+    message (noise) gets α = its smallest time and BW as if its largest time were transfer."""
+    c = 2 * (gpus - 1) / gpus
+    xs, ys = [c * b for b in curve], list(curve.values())                 # bytes, µs
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0   # µs/B
+    if slope <= 0:
+        return min(ys), max(xs) / (max(ys) * 1e-6) / 1e9
+    return max(0.0, my - slope * mx), 1e6 / slope / 1e9
+
+
+def add_allreduce_curve(profile: NodeProfile, procs: int, allreduces_per_forward: int,
+                        backend: str = "nccl", iters: int = 200) -> NodeProfile:
+    """`profile` on `procs` devices: its all-reduce curve measured at the message sizes of
+    verifies of CURVE_TOKENS tokens (tokens·H·B bytes), α/β fitted to it as the fallback, and
+    `allreduces_per_forward` all-reduces per verifier forward."""
+    sizes = [message_bytes(profile, t) for t in CURVE_TOKENS]
+    curve = measure_allreduce_curve(procs, sizes, backend, iters)
+    alpha, bw = fit_alpha_beta(curve, procs)
+    return dataclasses.replace(
+        profile, gpus=procs, interconnect=dataclasses.replace(
+            profile.interconnect, latency_us=round(alpha, 2), bandwidth_gbps=round(bw, 3),
+            allreduces_per_forward=allreduces_per_forward, allreduce_us=curve))
 
 
 def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
@@ -697,8 +868,8 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
     """Time this machine: one verifier forward over 1..max_tokens tokens after a `context`-token
     KV cache (median of `reps`, the decoder's own verify call, aux hooks included), one drafter
     step (a trained drafter dir, else an untrained one of the same shape), and, only with
-    several GPUs, NCCL all-reduce latency/bandwidth. -> a NodeProfile (gpus=1, N_ar=0 on one
-    device)."""
+    several GPUs, the NCCL all-reduce curve (add_allreduce_curve; α/β fitted to it as the
+    fallback). -> a NodeProfile (gpus=1, N_ar=0 on one device)."""
     import platform
     import torch
     from eagle3_ray import draft, speculate, verifier
@@ -724,12 +895,8 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
                      + ("; verifier split over the GPUs by accelerate (layers, not tensor "
                         "parallel): verify_ms is close to, not exactly, compute only"
                         if ngpu > 1 else "")))
-    if ngpu > 1:
-        alpha, bw = measure_allreduce(ngpu, cfg.hidden_size)
-        p.gpus = ngpu
-        p.interconnect = dataclasses.replace(p.interconnect, latency_us=round(alpha, 2),
-                                             bandwidth_gbps=round(bw, 3),
-                                             allreduces_per_forward=2 * cfg.num_hidden_layers + 2)
+    if ngpu > 1:                        # NCCL all-reduce time per message size: the curve
+        p = add_allreduce_curve(p, ngpu, 2 * cfg.num_hidden_layers + 2)
     return p
 
 

@@ -440,7 +440,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: in
 
 
 def main(argv=None):
-    from eagle3_ray import bench, verifier
+    from eagle3_ray import data, verifier
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
     p.add_argument("--prompts", type=int, default=16, help="held-out ShareGPT first user turns")
@@ -450,7 +450,7 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=1.0)
     a = p.parse_args(argv)
     model, tok = verifier.load_verifier(a.verifier), verifier.load_tokenizer(a.verifier)
-    prompts = bench.heldout_prompts(tok, a.prompts)
+    prompts = data.heldout_prompts(tok, a.prompts)
     gen = BatchGenerator(model, tok.pad_token_id if tok.pad_token_id is not None else 0,
                          verifier.eos_ids(model, tok),
                          GenerateConfig(temperature=a.temperature, top_p=a.top_p,

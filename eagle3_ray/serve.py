@@ -34,7 +34,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 
-from eagle3_ray import data, planner, speculate, verifier as verifier_lib
+from eagle3_ray import checkpoint, data, planner, speculate, verifier as verifier_lib
+# Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
+# serve.parse_metrics stays for the demo and tests that read /metrics.
+from eagle3_ray.planner import parse_metrics  # noqa: F401
 
 log = logging.getLogger("ray.serve")
 
@@ -207,41 +210,7 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (for tests, `plan` and the demo)."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
 # --- the engine (no Ray, no HTTP) ------------------------------------------------------------
-
-def check_drafter(cfg: ServeConfig, vcfg) -> dict:
-    """Refuse a drafter that does not fit the verifier (hidden size, vocab, aux layer ids,
-    verifier config hash). Reads only the drafter's config/meta JSON. Returns its meta."""
-    from eagle3_ray import checkpoint
-    c, meta = checkpoint.read_drafter_config(cfg.drafter)
-    problems = []
-    if c.hidden_size != vcfg.hidden_size:
-        problems.append(f"hidden_size {c.hidden_size} != verifier {vcfg.hidden_size}")
-    if c.vocab_size != vcfg.vocab_size:
-        problems.append(f"vocab_size {c.vocab_size} != verifier {vcfg.vocab_size}")
-    try:
-        verifier_lib.check_layer_ids(c.aux_layer_ids, vcfg.num_hidden_layers)
-    except ValueError as e:
-        problems.append(str(e))
-    want = (meta.get("verifier_facts") or {}).get("verifier_config_hash")
-    if want and want != verifier_lib.config_hash(vcfg):
-        problems.append(f"trained on verifier config {want}, this verifier's is "
-                        f"{verifier_lib.config_hash(vcfg)}")
-    if problems:
-        raise ValueError(f"drafter {cfg.drafter} does not match verifier {cfg.verifier}: "
-                         + "; ".join(problems))
-    return meta
-
 
 def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
     """The simulated interconnect (if asked) goes onto the Speculator; for dynamic depth, the
@@ -283,7 +252,8 @@ class Engine:
         vcfg = verifier_lib.load_config(cfg.verifier)
         self.ttt_steps = None
         if cfg.drafter:
-            self.ttt_steps = check_drafter(cfg, vcfg).get("ttt_steps")
+            self.ttt_steps = checkpoint.check_drafter(cfg.drafter, vcfg, cfg.verifier).get(
+                "ttt_steps")
         elif cfg.depth:
             raise ValueError(f"depth {cfg.depth} needs a drafter (--drafter), or use depth 0")
         if not 0 <= cfg.depth <= cfg.max_depth <= 32:
@@ -589,7 +559,8 @@ def build_app(cfg: ServeConfig):
         raise ValueError(f"engine must be builtin or vllm, got {cfg.engine!r}")
     cfg = resolve_paths(cfg)
     if cfg.drafter:
-        check_drafter(cfg, verifier_lib.load_config(cfg.verifier))  # fail here, not in a replica
+        vcfg = verifier_lib.load_config(cfg.verifier)      # fail here, not in a replica
+        checkpoint.check_drafter(cfg.drafter, vcfg, cfg.verifier)
     return SpeculativeServer.options(**deployment_options(cfg)).bind(asdict(cfg))
 
 

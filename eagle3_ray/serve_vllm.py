@@ -201,8 +201,7 @@ def _check_drafter_fits(cfg) -> None:
     if not os.path.isfile(os.path.join(cfg.verifier, "config.json")):
         return                            # an HF id or URI: vLLM checks it when it loads
     from eagle3_ray import verifier as verifier_lib
-    from eagle3_ray.serve import check_drafter
-    check_drafter(cfg, verifier_lib.load_config(cfg.verifier))
+    checkpoint.check_drafter(cfg.drafter, verifier_lib.load_config(cfg.verifier), cfg.verifier)
 
 
 def _require_vllm() -> None:

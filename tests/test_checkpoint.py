@@ -1,4 +1,5 @@
-"""Drafter checkpoint: save/load round trip, atomicity, clear errors, and engine exports."""
+"""Drafter checkpoint: save/load round trip, atomicity, clear errors, engine exports, and each
+export read back by the engines' own rules (names, shapes, aux ids, d2t) to the same step 0."""
 import json
 import os
 import re
@@ -379,3 +380,190 @@ def test_manifest_hash():
     assert checkpoint.manifest_hash(dict(m, files=m["files"][:1])) != h
     with pytest.raises(ValueError, match="facts"):
         checkpoint.manifest_hash({"files": []})
+
+
+# --- round trip: every export read back by its engine's rules, step 0 as the engine runs it ---
+# An independent reader, written from the engines' sources (no project code): which config keys
+# it reads, the parameters it builds (names, shapes), what its load_weights does with each
+# stored name, which verifier tensor each aux id selects, and the step-0 forward and d2t.
+#   vllm/model_executor/models/llama_eagle3.py  Eagle3LlamaForCausalLM.load_weights: skips t2d,
+#     d2t -> draft_id_to_target_id, "midlayer." -> "layers.0."; compute_logits scatters the
+#     draft logits to targets = arange(Vd) + d2t, -inf elsewhere. LlamaDecoderLayer (layer 0):
+#     residual = hidden (norm_before_residual False), cat([input_layernorm(embeds),
+#     hidden_norm(hidden)]) -> qkv (2H in), attention, post_attention_layernorm(h, residual)
+#     (fused add), MLP; LlamaModel: norm(h, residual); combine_hidden_states: fc (3 x
+#     target_hidden_size in). The embedding is the target's (not in the checkpoint).
+#   python/sglang/srt/models/llama_eagle3.py  the same layer math; load_weights: d2t ->
+#     hot_token_id = d2t + arange, t2d skipped, other names loaded as-is or under "model."
+#     (an unknown name is silently skipped, so the reader demands every parameter).
+#   vllm/transformers_utils/configs/speculators/algos.py (update_eagle3): a speculators config
+#     becomes the same Eagle3 config (transformer_layer_config + draft_vocab_size,
+#     target_hidden_size, norm_before_residual default True, eagle_aux_hidden_state_layer_ids);
+#     speculators' loader takes the embedding from speculators_config.verifier.name_or_path.
+
+def read_export(directory: str, engine: str) -> dict:
+    """An export directory as `engine` ("vllm" or "sglang") loads it -> {"cfg": the config
+    values the engine uses, "params": {engine parameter name: tensor}, "targets": target id of
+    each draft id, "aux_inputs": the verifier layers whose inputs feed the fc, in fc order,
+    "embed_from": the directory the token embedding comes from}. Fails on a missing, unknown
+    or misshaped parameter."""
+    config = json.load(open(os.path.join(directory, "config.json")))
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    if "speculators_model_type" in config:                     # vLLM's speculators reader
+        assert engine == "vllm" and config["speculators_model_type"] == "eagle3"
+        cfg = dict(config["transformer_layer_config"],
+                   draft_vocab_size=config["draft_vocab_size"],
+                   target_hidden_size=config["target_hidden_size"],
+                   norm_before_residual=config.get("norm_before_residual", True),
+                   eagle_aux_hidden_state_layer_ids=config["eagle_aux_hidden_state_layer_ids"])
+        embed_from = config["speculators_config"]["verifier"]["name_or_path"]
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        cfg, embed_from = config, None
+    aux_inputs = engine_inputs(cfg)[engine]
+    assert cfg["norm_before_residual"] is False and not cfg["tie_word_embeddings"]
+    h, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, inter = cfg.get("head_dim") or h // nh, cfg["intermediate_size"]
+    vd = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    layer = "midlayer." if engine == "sglang" else "layers.0."
+    want = {"fc.weight": (h, 3 * cfg.get("target_hidden_size", h)), "norm.weight": (h,),
+            "lm_head.weight": (vd, h),
+            **{layer + k: s for k, s in {
+                "self_attn.q_proj.weight": (nh * hd, 2 * h),
+                "self_attn.k_proj.weight": (nkv * hd, 2 * h),
+                "self_attn.v_proj.weight": (nkv * hd, 2 * h),
+                "self_attn.o_proj.weight": (h, nh * hd),
+                "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
+                "hidden_norm.weight": (h,), "post_attention_layernorm.weight": (h,)}.items()}}
+    params, d2t = {}, torch.zeros(vd, dtype=torch.int64)       # no d2t: the identity
+    for name, t in stored.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            d2t = t
+            continue
+        params[name.replace("midlayer.", layer).replace("layers.0.", layer)] = t
+    assert set(params) == set(want), (set(params) ^ set(want))
+    for k, shape in want.items():
+        assert tuple(params[k].shape) == shape, (k, tuple(params[k].shape), shape)
+    assert d2t.dtype == torch.int64 and d2t.shape == (vd,)
+    return {"cfg": cfg, "params": params, "layer": layer, "aux_inputs": aux_inputs,
+            "targets": torch.arange(vd) + d2t, "embed_from": embed_from}
+
+
+def engine_step0(r: dict, embed: torch.Tensor, aux: torch.Tensor,
+                 tokens: torch.Tensor) -> torch.Tensor:
+    """Step 0 as llama_eagle3.py computes it, in float64: aux [S, 3H] (the captured states,
+    ascending layers), tokens [S] (the next token at each position) -> logits over the target
+    vocabulary [S, V] (-inf outside the draft vocabulary, as vLLM's compute_logits)."""
+    c, w = r["cfg"], {k: v.double() for k, v in r["params"].items()}
+    p, eps, s = r["layer"], c["rms_norm_eps"], tokens.shape[0]
+    nh, nkv, h = c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"]
+    hd = c.get("head_dim") or h // nh
+    assert c.get("rope_scaling") is None and c["hidden_act"] == "silu"
+
+    def norm(x, name):
+        return w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rope(x):                                                # x [heads, S, hd], neox style
+        inv = 1.0 / c["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        ang = torch.arange(s, dtype=torch.float64)[:, None] * inv         # [S, hd/2]
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    hidden = aux.double() @ w["fc.weight"].T                              # [S, H]
+    residual = hidden
+    x = torch.cat([norm(embed[tokens].double(), p + "input_layernorm.weight"),
+                   norm(hidden, p + "hidden_norm.weight")], -1)            # [S, 2H]
+    q = rope((x @ w[p + "self_attn.q_proj.weight"].T).view(s, nh, hd).transpose(0, 1))
+    k = rope((x @ w[p + "self_attn.k_proj.weight"].T).view(s, nkv, hd).transpose(0, 1))
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(s, nkv, hd).transpose(0, 1)
+    k, v = k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    scores = q @ k.transpose(1, 2) / hd ** 0.5                            # [nh, S, S]
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(s, nh * hd)   # [S, nh*hd]
+    residual = attn @ w[p + "self_attn.o_proj.weight"].T + residual       # fused add + norm
+    m = norm(residual, p + "post_attention_layernorm.weight")
+    m = (torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T)
+         * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    draft = norm(m + residual, "norm.weight") @ w["lm_head.weight"].T     # [S, Vd]
+    full = torch.full((s, c["vocab_size"]), float("-inf"), dtype=torch.float64)
+    full[:, r["targets"]] = draft                                          # [S, V]
+    return full
+
+
+@pytest.fixture(scope="module")
+def trained_like(tiny_verifier, tmp_path_factory):
+    """A drafter for the tiny verifier with weights far from their init (so every aux block
+    and every tensor matters) and a draft vocabulary whose d2t offsets are not zero, saved as
+    training saves it; the verifier's inputs of every layer on one random sequence."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from eagle3_ray import draft
+    vcfg = AutoConfig.from_pretrained(tiny_verifier)
+    dcfg = draft.DraftConfig.from_verifier_config(vcfg, 3000, [2, 4, 5])
+    counts = np.random.default_rng(1).integers(0, 1000, vcfg.vocab_size)
+    d2t, t2d = vocab.build_mapping(counts, dcfg.draft_vocab_size)
+    assert int(d2t.abs().max()) > 1000
+    torch.manual_seed(0)
+    drafter, _ = draft.build_drafter(tiny_verifier, dcfg, d2t, t2d)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith(("fc.", "midlayer.")):
+                p.copy_(torch.randn_like(p) * (0.15 if p.dim() == 2 else 1.0)
+                        + (1.0 if p.dim() == 1 else 0.0))
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
+    root = tmp_path_factory.mktemp("roundtrip")
+    d = checkpoint.save_drafter(str(root / "drafter"), state, dcfg,
+                                {"verifier": tiny_verifier, "ttt_steps": 4})
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier, dtype=torch.float32).eval()
+    ids = torch.randint(0, vcfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(hs) == vcfg.num_hidden_layers + 1     # hs[i] = the input of decoder layer i
+    return {"dir": d, "root": root, "model": model, "ids": ids, "inputs": hs[:-1]}
+
+
+def project_step0(d: str, spec: str, model, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The project's own path: the drafter as serving loads it, the aux states as extraction
+    captures them (verifier.forward_hidden's hooks), step 0 -> draft logits [S-1, Vd]."""
+    from eagle3_ray import verifier
+    from eagle3_ray.train import load_trained_drafter
+    drafter = load_trained_drafter(d, spec)[0]
+    aux, _, _ = verifier.forward_hidden(model, ids, torch.ones_like(ids),
+                                        drafter.config.aux_layer_ids)    # [1, S, 3, H]
+    aux = aux.reshape(1, ids.shape[1], -1)[:, :-1]                       # [1, S-1, 3H]
+    with torch.no_grad():
+        out = drafter(ids[:, 1:], aux, torch.arange(ids.shape[1] - 1)[None])
+        return drafter.logits(out)[0], drafter                          # [S-1, Vd]
+
+
+@pytest.mark.parametrize("fmt", checkpoint.EXPORT_FORMATS)
+def test_exports_round_trip_through_the_engines_readers(trained_like, tiny_verifier, fmt):
+    """Each export, read by each engine that loads that format (names, shapes, aux ids ->
+    verifier tensors, d2t the engine's way), computes at step 0 what the project's drafter
+    computes on the same hidden states: the same logits, the same target token."""
+    t = trained_like
+    out = checkpoint.export(t["dir"], str(t["root"] / fmt), fmt)
+    ours, drafter = project_step0(t["dir"], tiny_verifier, t["model"], t["ids"])
+    tokens = t["ids"][0, 1:]                                    # step 0: the next token at t
+    engines = ["vllm"] if fmt == "speculators" else ["vllm", "sglang"]
+    for engine in engines:
+        r = read_export(out, engine)
+        assert r["aux_inputs"] == drafter.config.aux_layer_ids, engine   # the trained layers
+        aux = torch.cat([t["inputs"][i][0, :-1] for i in r["aux_inputs"]], -1)   # [S-1, 3H]
+        embed_dir = r["embed_from"] or tiny_verifier            # shared with the target
+        embed = load_file(os.path.join(embed_dir, "model.safetensors"))[
+            "model.embed_tokens.weight"]
+        full = engine_step0(r, embed, aux, tokens)                          # [S-1, V]
+        torch.testing.assert_close(full[:, r["targets"]], ours.double(), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{fmt} read by {engine}: {m}")
+        assert torch.equal(full.argmax(-1), drafter.draft_to_target(ours.argmax(-1))), engine
+        assert torch.isinf(full).sum() == full.shape[0] * (full.shape[1] - len(r["targets"]))
+
+    # the comparison sees an aux layer off by one (what SGLang did with the old configs)
+    r = read_export(out, "vllm")
+    late = torch.cat([t["inputs"][i + 1][0, :-1] for i in r["aux_inputs"]], -1)
+    wrong = engine_step0(r, embed, late, tokens)[:, r["targets"]]
+    assert not torch.allclose(wrong, ours.double(), rtol=1e-2, atol=1e-2)

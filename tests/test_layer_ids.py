@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle3_ray import checkpoint, draft, schema, serve, verifier
+from eagle3_ray import checkpoint, draft, schema, verifier
 from eagle3_ray.draft import DraftConfig, Eagle3Drafter
 from eagle3_ray.extract import ExtractConfig, dataset_facts
 from eagle3_ray.speculate import Speculator
@@ -73,11 +73,11 @@ def _old_drafter(tiny_verifier, directory, ids) -> str:
 def test_serving_refuses_a_drafter_in_another_order(tiny_verifier, tmp_path):
     vcfg = AutoConfig.from_pretrained(tiny_verifier)
     ok = _old_drafter(tiny_verifier, str(tmp_path / "ok"), [2, 4, 5])
-    serve.check_drafter(serve.ServeConfig(verifier=tiny_verifier, drafter=ok), vcfg)
+    checkpoint.check_drafter(ok, vcfg, tiny_verifier)
     for ids, why in (([5, 2, 4], "ascending"), ([0, 4, 5], ">= 1")):
         d = _old_drafter(tiny_verifier, str(tmp_path / f"d{ids[0]}"), ids)
         with pytest.raises(ValueError, match=r"does not match.*aux_layer_ids.*" + why):
-            serve.check_drafter(serve.ServeConfig(verifier=tiny_verifier, drafter=d), vcfg)
+            checkpoint.check_drafter(d, vcfg, tiny_verifier)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_verifier, dtype=torch.float32)
     c = DraftConfig.from_verifier_config(vcfg, 2000, [5, 2, 4])

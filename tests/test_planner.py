@@ -2,6 +2,7 @@
 profiles (YAML, packaged), acceptance sources, the `plan` command, and measuring a profile."""
 import http.server
 import json
+import math
 import threading
 
 import pytest
@@ -351,3 +352,111 @@ def test_dynamic_depth_follows_the_request_acceptance():
     history += [Round(drafted=dd.depths[-1], accepted=0) for _ in range(400)]
     assert dd(history) == 0
     assert dd.seen == len(history) and len(dd.depths) == 3
+
+
+# --- a measured all-reduce curve instead of α/β -----------------------------------------------
+
+CURVE = {4096: 45.0, 65536: 344.0}        # µs per all-reduce: the published PCIe points
+PCIE = "pcie-8x-rtx-pro-6000-kimi-k2.5"
+PCIE_CURVE = PCIE + "-allreduce-curve"
+
+
+def test_allreduce_curve_is_log_log_and_replaces_alpha_beta():
+    c = P.allreduce_curve_us
+    assert c(CURVE, 4096) == 45.0 and c(CURVE, 65536) == pytest.approx(344.0)
+    assert c(CURVE, 100) == 45.0                               # below: the latency floor
+    assert c(CURVE, 16384) == pytest.approx((45.0 * 344.0) ** 0.5)   # log-log midpoint
+    assert c(CURVE, 4 * 65536) == pytest.approx(344.0 * (344.0 / 45.0) ** 0.5)   # continued
+    assert c({1000: 50.0, 2000: 40.0}, 8000) == 40.0           # never falls past the data
+    # 8 GPUs, 10 all-reduces of t·1024·2 B: the curve, not α/β, prices them
+    ic = P.Interconnect(40.0, 16.0, 10, 1024, 2, allreduce_us=dict(CURVE))
+    p = profile(gpus=8, interconnect=ic)
+    assert P.message_bytes(p, 8) == 16384
+    assert P.comm_s(p, 1) == pytest.approx(10 * 45e-6)
+    assert P.comm_s(p, 8) == pytest.approx(10 * (45.0 * 344.0) ** 0.5 * 1e-6)
+    ab = profile(gpus=8, interconnect=P.Interconnect(40.0, 16.0, 10, 1024, 2))   # fallback
+    assert P.comm_s(ab, 8) == pytest.approx(10 * (40e-6 + 2 * 7 / 8 * 16384 / 16e9))
+    assert "measured curve" in P.allreduce_model(p) and "alpha/beta" in P.allreduce_model(ab)
+    assert "measured curve" in P.plan([0.8] * 4, p, 4)["why"]
+    # the α/β fallback fitted to a curve: exact on α/β data, defined on a curve that falls
+    exact = {b: 40.0 + 2 * 7 / 8 * b / 16e9 * 1e6 for b in (2048, 16384, 131072, 473088)}
+    assert P.fit_alpha_beta(exact, 8) == pytest.approx((40.0, 16.0))
+    assert P.fit_alpha_beta({1000: 50.0, 2000: 40.0}, 2) == pytest.approx((40.0, 2e3 / 50e-6 / 1e9))
+
+
+def test_curve_profile_yaml_round_trip_and_errors(tmp_path):
+    ic = P.Interconnect(40.0, 16.0, 124, 7168, 2, allreduce_us=dict(CURVE))
+    p = profile(gpus=8, interconnect=ic)
+    path = str(tmp_path / "p.yaml")
+    P.save_profile(p, path)
+    assert yaml.safe_load(open(path))["interconnect"]["allreduce_us"] == CURVE
+    q = P.load_profile(path)
+    assert q == p and P.comm_s(q, 9) == P.comm_s(p, 9)
+    P.save_profile(profile(), path)                            # α/β only: no such key written
+    assert "allreduce_us" not in yaml.safe_load(open(path))["interconnect"]
+    for bad, why in (({4096: 45.0}, "at least 2"), ({"4KB": 45.0, 65536: 1.0}, "integers"),
+                     ({4096: -1.0, 65536: 1.0}, "must be a number")):
+        d = yaml.safe_load(open(path))
+        d["interconnect"]["allreduce_us"] = bad
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump(d))
+        with pytest.raises(ValueError, match=r"bad.yaml: interconnect: allreduce_us.*" + why):
+            P.load_profile(str(tmp_path / "bad.yaml"))
+
+
+def test_packaged_curve_profile_moves_the_best_depth():
+    """The packaged PCIe profile with the published curve instead of α/β: the same node
+    otherwise, a depth-0 round far more communication, and shallower best depths (the curve
+    grows ~0.73 per log step of the message where α/β stays near its latency). These are the
+    figures of docs/plan.md's table (`eagle3-ray plan --sweep`)."""
+    ab, cu = P.load_profile(PCIE), P.load_profile(PCIE_CURVE)
+    assert cu.interconnect.allreduce_us == CURVE and not ab.interconnect.allreduce_us
+    assert cu.verify_ms == ab.verify_ms and cu.draft_step_ms == ab.draft_step_ms
+    assert P.comm_s(ab, 1) == pytest.approx(124 * (40e-6 + 1.75 * 14336 / 16e9))
+    assert P.comm_s(cu, 1) == pytest.approx(124 * 45.0 * (14336 / 4096) ** (
+        math.log(344 / 45) / math.log(16)) * 1e-6)
+    levels = [0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
+    best = {n: [P.best_depth([a] * 32, p, 32) for a in levels] for n, p in (("ab", ab),
+                                                                           ("cu", cu))}
+    assert best["ab"] == [1, 2, 2, 3, 3, 4, 6, 10]
+    assert best["cu"] == [0, 0, 1, 1, 2, 3, 4, 9]
+    assert P.best_depth(DECAYING, ab, 32) == 3 and P.best_depth(DECAYING, cu, 32) == 1
+    r = P.plan(DECAYING, cu)
+    assert any("extrapolated from the curve" in w and "from depth 4 on" in w
+               for w in r["warnings"])
+    assert not any("curve" in w for w in P.plan(DECAYING, ab)["warnings"])
+
+
+def test_plan_sweep_cli(tmp_path, capsys):
+    from eagle3_ray import cli
+    out = tmp_path / "sweep"
+    rc = cli.main(["plan", "--sweep", "0.6", "0.8", "0.9", "--profile", PCIE,
+                   "--compare", PCIE_CURVE, "--out", str(out)])
+    assert rc == 0
+    r = json.load(open(out / "sweep.json"))
+    assert [row["acceptance"] for row in r["rows"]] == [0.6, 0.8, 0.9]
+    assert [row[PCIE]["best_depth"] for row in r["rows"]] == [2, 3, 6]
+    assert [row[PCIE_CURVE]["best_depth"] for row in r["rows"]] == [0, 2, 4]
+    printed = capsys.readouterr().out
+    assert "| 0.8 | 3 | x1.68 | 2 | x1.14 |" in printed and "measured curve" in printed
+    rc = cli.main(["plan", "--sweep", "1.5", "--profile", PCIE, "--out", str(out)])
+    assert rc == 2 and "[0, 1]" in capsys.readouterr().err
+
+
+def test_allreduce_curve_measured_between_processes(tmp_path):
+    """add_allreduce_curve, the path `eagle3-ray profile` takes with several GPUs (NCCL), run
+    here with gloo between 2 CPU processes: one time per verify size, α/β fitted as the
+    fallback, written and read back, and what the planner then charges."""
+    base = profile(interconnect=P.Interconnect(0.0, 1.0, 0, 64, 2))
+    p = P.add_allreduce_curve(base, procs=2, allreduces_per_forward=18, backend="gloo",
+                              iters=20)
+    sizes = [t * 64 * 2 for t in P.CURVE_TOKENS]
+    assert sorted(p.interconnect.allreduce_us) == sizes
+    assert all(v > 0 for v in p.interconnect.allreduce_us.values())
+    assert p.gpus == 2 and p.interconnect.allreduces_per_forward == 18
+    assert p.interconnect.latency_us >= 0 and p.interconnect.bandwidth_gbps > 0
+    path = str(tmp_path / "measured.yaml")
+    P.save_profile(p, path)
+    q = P.load_profile(path)
+    assert q.interconnect.allreduce_us == p.interconnect.allreduce_us
+    for t in P.CURVE_TOKENS:
+        assert P.comm_s(q, t) == pytest.approx(18 * p.interconnect.allreduce_us[t * 128] * 1e-6)

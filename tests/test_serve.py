@@ -255,7 +255,7 @@ def test_client_disconnect_frees_the_slot(server):
 def test_mismatched_drafter_is_refused(tiny_verifier, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     other = tmp_path / "other_verifier"
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=3000)
     LlamaForCausalLM(cfg).save_pretrained(other)
     bad = save_untrained(str(other), str(tmp_path / "bad_drafter"))

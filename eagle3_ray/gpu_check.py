@@ -1,0 +1,191 @@
+"""The check anyone with a GPU runs first: the package's GPU paths in a few minutes, one JSON.
+
+    scripts/gpu_check.sh                                   # = python -m eagle3_ray.gpu_check
+    python -m eagle3_ray.gpu_check --out /tmp/gc.json --work /tmp/gc   # no CUDA: the CPU path
+
+With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user would type
+(printed, then run in this process, so the Ray-backed steps share one local Ray):
+  1. extract      bf16 hidden states of 300 embedded ShareGPT conversations with the embedded
+                  verifier (SmolLM2-135M), n replicas of one GPU each
+  2. train        a short bf16 run (ttt_steps 4) over n GPU workers with DDP, then with FSDP
+  3. bench serve  the DDP drafter, greedy, at depths 0-16 on one GPU: tokens/s, acceptance
+                  length, outputs identical to depth 0's, the planner's prediction
+  4. profile      verify/draft times of this machine; with n > 1 the NCCL all-reduce curve
+Without CUDA it says so, runs the same four steps at tiny sizes on the CPU (2 gloo workers,
+depths 0-2) plus the all-reduce curve with gloo between 2 processes (the code path of the NCCL
+one), and exits 0 when they pass (1 when a step fails). Writes --out (runs/gpu_check.json):
+the machine, and per step its command, status, wall time and figures; the step outputs stay
+under --work (runs/gpu_check/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+# Step sizes: (CUDA, CPU). The CPU path checks that the same commands run, not their speed.
+SIZES = {
+    "samples": (300, 8), "max_length": (512, 96), "ttt_steps": (4, 2), "max_steps": (40, 2),
+    "depths": ((0, 1, 2, 3, 4, 6, 8, 12, 16), (0, 1, 2)), "prompts": (8, 1),
+    "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
+}
+
+
+def commands(cuda: bool, gpus: int, work: str) -> list[tuple[str, list[str], str | None]]:
+    """(step name, eagle3-ray argv, the step it needs) for this machine."""
+    def size(key):
+        return SIZES[key][0 if cuda else 1]
+
+    hs, drafter = os.path.join(work, "hs"), os.path.join(work, "train-ddp", "drafter")
+    extract = ["extract", "--inputs", "embedded:sharegpt", "--output", hs,
+               "--limit", str(size("samples")), "--max-length", str(size("max_length"))]
+    extract += (["--dtype", "bfloat16", "--replicas", str(gpus), "--gpus-per-replica", "1"]
+                if cuda else ["--batch-rows", "8"])
+    train = ["train", "--dataset", hs, "--ttt-steps", str(size("ttt_steps")),
+             "--max-steps", str(size("max_steps")), "--warmup-steps", "2", "--log-every", "1",
+             "--eval-every", "0", "--checkpoint-every", str(size("max_steps")),
+             "--max-seq-len", str(size("max_length"))]
+    train += (["--use-gpu", "--num-workers", str(gpus), "--precision", "bf16"] if cuda
+              else ["--num-workers", "2", "--cpus-per-worker", "0.5", "--draft-vocab-size",
+                    "4096", "--eval-fraction", "0.25"])
+    bench = ["bench", "serve", "--drafter", drafter, "--samples", str(size("prompts")),
+             "--max-tokens", str(size("max_tokens")), "--no-peers",
+             "--depths", *map(str, size("depths")), "--out", os.path.join(work, "bench")]
+    bench += ["--gpus", "1"] if cuda else ["--no-dynamic"]
+    profile = ["profile", "--drafter", drafter, "--out", os.path.join(work, "profile.yaml"),
+               "--max-tokens", str(size("profile_tokens")), "--reps", str(size("profile_reps"))]
+    profile += [] if cuda else ["--context", "32"]
+    return [("extract", extract, None),
+            ("train_ddp", train + ["--output", os.path.join(work, "train-ddp"),
+                                   "--parallel", "ddp"], "extract"),
+            ("train_fsdp", train + ["--output", os.path.join(work, "train-fsdp"),
+                                    "--parallel", "fsdp"], "extract"),
+            ("bench_serve", bench, "train_ddp"),
+            ("profile", profile, "train_ddp")]
+
+
+def machine() -> dict:
+    import torch
+    cuda = torch.cuda.is_available()
+    return {"host": platform.node(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": cuda, "cuda_version": torch.version.cuda,
+            "gpus": torch.cuda.device_count() if cuda else 0,
+            "gpu_names": [torch.cuda.get_device_name(i)
+                          for i in range(torch.cuda.device_count())] if cuda else [],
+            "cpus": os.cpu_count()}
+
+
+def figures(name: str, work: str) -> dict:
+    """What a step's outputs say, for the JSON."""
+    if name == "extract":
+        m = json.load(open(os.path.join(work, "hs", "manifest.json")))
+        s = m["summary"]
+        return {"samples": s["samples"], "tokens": s["tokens"], "dtype": m["facts"]["dtype"],
+                "wall_s": s["this_run"].get("wall_s"),
+                "tokens_per_s": s["this_run"].get("tokens_per_s"),
+                "skipped": s["skipped"]}
+    if name.startswith("train"):
+        run = os.path.join(work, name.replace("_", "-"))
+        hist = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl")) if x.strip()]
+        last, meta = hist[-1], json.load(open(os.path.join(run, "drafter", "meta.json")))
+        tc = meta.get("train_config", {})
+        return {"steps": last["step"], "train_s": last.get("train_s"),
+                "first_loss": hist[0].get("train/loss"), "last_loss": last.get("train/loss"),
+                "tokens_per_s": last.get("tokens_per_s"),
+                "eval_accept_len": last.get("eval/accept_len"),
+                **{k: tc.get(k) for k in ("parallel", "precision", "num_workers", "use_gpu")}}
+    if name == "bench_serve":
+        r = json.load(open(os.path.join(work, "bench", "serve.json")))
+        return {"dtype": r["dtype"], "all_identical": r["all_identical"],
+                "best_depth": r["best_depth"], "best_speedup": r["best_speedup"],
+                "planner_chosen_depth": r["planner"]["chosen_depth"],
+                "by_depth": {d: {k: x[k] for k in ("tokens_per_s", "decode_tokens_per_s",
+                                                   "acceptance_length", "identical_to_depth0")}
+                             for d, x in r["runs"].items()}}
+    if name == "profile":
+        from eagle3_ray import planner
+        p = planner.load_profile(os.path.join(work, "profile.yaml"))
+        return {"gpus": p.gpus, "verify_ms": p.verify_ms, "draft_step_ms": p.draft_step_ms,
+                "allreduce": planner.allreduce_model(p),
+                "allreduce_us": p.interconnect.allreduce_us}
+    return {}
+
+
+def gloo_allreduce_curve() -> dict:
+    """The NCCL curve's code path with gloo between 2 CPU processes (no CUDA here)."""
+    from eagle3_ray import planner
+    base = planner.NodeProfile(
+        name="cpu", description="", sources=[], gpus=1,
+        interconnect=planner.Interconnect(0.0, 1.0, 0, 576, 2), verify_ms={1: 1.0},
+        draft_step_ms=1.0)
+    p = planner.add_allreduce_curve(base, procs=2, allreduces_per_forward=62, backend="gloo",
+                                    iters=20)
+    return {"backend": "gloo, 2 CPU processes", "allreduce_us": p.interconnect.allreduce_us,
+            "alpha_us": p.interconnect.latency_us, "bandwidth_gbps": p.interconnect.bandwidth_gbps}
+
+
+def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check") -> int:
+    """Run the steps (CUDA or the CPU path), write `out`; 0 if every step passed."""
+    import shutil
+    from eagle3_ray import cli
+    info = machine()
+    cuda, gpus = info["cuda"], info["gpus"]
+    if cuda:
+        print(f"[gpu_check] CUDA: {gpus} x {info['gpu_names'][0]}", flush=True)
+    else:
+        why = ("this torch is a CPU build" if info["cuda_version"] is None
+               else "torch sees no GPU")
+        print(f"[gpu_check] no CUDA on this machine ({why}, torch {info['torch']}): running the "
+              "CPU path of the same steps at tiny sizes (the figures say nothing about GPU "
+              "speed)", flush=True)
+    work = os.path.abspath(work)
+    shutil.rmtree(work, ignore_errors=True)          # a fresh run: no resumed extraction/training
+    os.makedirs(work)
+    result = {"check": "gpu_check", "mode": "cuda" if cuda else "cpu", "machine": info,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": {}}
+    t_all = time.perf_counter()
+    for name, argv, needs in commands(cuda, gpus, work):
+        step = result["steps"][name] = {"command": "eagle3-ray " + " ".join(argv)}
+        if needs and not result["steps"][needs]["ok"]:
+            step.update(ok=False, skipped=f"{needs} failed")
+            continue
+        print(f"[gpu_check] {name}: {step['command']}", flush=True)
+        t0 = time.perf_counter()
+        rc = cli.main(argv)
+        step.update(ok=rc == 0, rc=rc, wall_s=round(time.perf_counter() - t0, 2))
+        if rc == 0:
+            step["figures"] = figures(name, work)
+        print(f"[gpu_check] {name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in "
+              f"{step['wall_s']:.0f} s", flush=True)
+    if not cuda:
+        t0 = time.perf_counter()
+        try:
+            step = {"ok": True, "figures": gloo_allreduce_curve()}
+        except Exception as e:                        # noqa: BLE001  (recorded, not raised)
+            step = {"ok": False, "error": repr(e)}
+        step["wall_s"] = round(time.perf_counter() - t0, 2)
+        result["steps"]["allreduce_gloo"] = step
+    result["wall_s"] = round(time.perf_counter() - t_all, 2)
+    result["ok"] = all(s["ok"] for s in result["steps"].values())
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    failed = [n for n, s in result["steps"].items() if not s["ok"]]
+    print(f"[gpu_check] {'all steps passed' if not failed else f'FAILED: {failed}'} in "
+          f"{result['wall_s']:.0f} s ({result['mode']} path) -> {out}", flush=True)
+    return 0 if not failed else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="runs/gpu_check.json", help="the JSON to write")
+    p.add_argument("--work", default="runs/gpu_check", help="step outputs (emptied first)")
+    a = p.parse_args(argv)
+    return run_check(a.out, a.work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""scripts/gpu_check.sh: on a CUDA machine the GPU paths (checked here as the commands and
+configs it would run), without CUDA the CPU path of the same steps, run for real."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eagle3_ray import cli, gpu_check, planner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parsed(argv, monkeypatch):
+    """What `eagle3-ray <argv>` would run: the parsed flags, nothing run."""
+    got = {}
+    monkeypatch.setattr(cli, "run_main", lambda fn, a: got.update(fn=fn, a=a) or 0)
+    assert cli.main(argv) == 0
+    return got["fn"], got["a"]
+
+
+def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
+    steps = {n: (argv, needs) for n, argv, needs in gpu_check.commands(True, 4, str(tmp_path))}
+    assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile"]
+    fn, a = parsed(steps["extract"][0], monkeypatch)
+    e = cli.extract_config(a)
+    assert fn is cli.cmd_extract and e.inputs == ["embedded:sharegpt"]
+    assert e.verifier == "embedded:smollm2" and e.sample_limit == 300
+    assert (e.dtype, e.replicas, e.gpus_per_replica) == ("bfloat16", 4, 1)
+    for name, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):
+        fn, a = parsed(steps[name][0], monkeypatch)
+        t = cli.train_config(a)
+        assert fn is cli.cmd_train and steps[name][1] == "extract"
+        assert (t.use_gpu, t.num_workers, t.parallel, t.precision) == (True, 4, parallel, "bf16")
+    fn, a = parsed(steps["bench_serve"][0], monkeypatch)
+    assert fn is cli.cmd_bench and a.what == "serve" and a.gpus == 1
+    assert a.depths == [0, 1, 2, 3, 4, 6, 8, 12, 16]
+    assert a.drafter == str(tmp_path / "train-ddp" / "drafter")
+    fn, a = parsed(steps["profile"][0], monkeypatch)
+    assert fn is cli.cmd_profile and a.drafter == str(tmp_path / "train-ddp" / "drafter")
+
+
+@pytest.mark.slow
+def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
+    out, work = tmp_path / "gpu_check.json", tmp_path / "work"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--out", str(out),
+                        "--work", str(work)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "no CUDA on this machine" in r.stdout and "all steps passed" in r.stdout
+    g = json.load(open(out))
+    assert g["mode"] == "cpu" and g["ok"] and not g["machine"]["cuda"]
+    s = g["steps"]
+    assert set(s) == {"extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
+                      "allreduce_gloo"}
+    assert all(x["ok"] for x in s.values())
+    assert all(s[n]["command"].startswith("eagle3-ray ") for n in s if n != "allreduce_gloo")
+    f = {n: x["figures"] for n, x in s.items()}
+    assert f["extract"]["samples"] > 0 and f["extract"]["dtype"] == "bfloat16"
+    for n, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):
+        assert f[n]["steps"] == 2 and f[n]["parallel"] == parallel and f[n]["num_workers"] == 2
+        assert f[n]["last_loss"] > 0
+    assert sorted(f["bench_serve"]["by_depth"]) == ["0", "1", "2"]
+    assert f["bench_serve"]["all_identical"]                 # greedy: every depth = depth 0
+    assert sorted(f["profile"]["verify_ms"]) == ["1", "2", "3"] and f["profile"]["gpus"] == 1
+    assert len(f["allreduce_gloo"]["allreduce_us"]) == len(planner.CURVE_TOKENS)
+    assert (work / "train-fsdp" / "drafter" / "model.safetensors").is_file()
