@@ -303,24 +303,6 @@ def _plot_train(result: dict, path: str) -> None:
 SERVE_DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
 
-def heldout_prompts(tok, n: int, skip: int = 5000, max_prompt: int = 256) -> list[list[int]]:
-    """First user turns of embedded ShareGPT conversations past the first `skip` usable ones
-    (bench quality trains on the first ~1,200), rendered with the chat template."""
-    out = []
-    for i, (_, messages) in enumerate(data.iter_samples([data.EMBEDDED_SHAREGPT])):
-        if i < skip:
-            continue
-        turn = next((m for m in messages if m["role"] == "user"), None)
-        if not turn:
-            continue
-        ids = data.prompt_ids(tok, [turn])
-        if 8 <= len(ids) <= max_prompt:
-            out.append(ids)
-        if len(out) == n:
-            return out
-    return out
-
-
 def best_quality_drafter(out_dir: str = "runs/bench", depth: int = 8) -> str:
     """The drafter of `bench quality` with the highest served acceptance length at `depth`."""
     path = os.path.join(out_dir, "quality.json")
@@ -434,7 +416,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
         dec.simulated_comm = functools.partial(planner.comm_s, node)
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
-    ps = heldout_prompts(tok, prompts)
+    ps = data.heldout_prompts(tok, prompts)
     ours = list(depths) + (["dynamic"] if dynamic else [])
     names = ours + list(peer_ks)                          # every arm, interleaved per prompt
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
@@ -678,7 +660,7 @@ def bench_regen(prompts: int = 32, max_new_tokens: int = 128, batch: int = 32,
     model, tok = verifier.load_verifier(spec), verifier.load_tokenizer(spec)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     eos = verifier.eos_ids(model, tok)
-    ps = heldout_prompts(tok, prompts)
+    ps = data.heldout_prompts(tok, prompts)
     groups = regen.length_batches([len(p) for p in ps], [max_new_tokens] * len(ps), 1 << 40,
                                   batch)
     gen = regen.BatchGenerator(model, pad, eos, regen.GenerateConfig(max_batch=batch,

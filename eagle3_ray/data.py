@@ -255,8 +255,7 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 def heldout_prompts(tokenizer, n: int, skip: int = 5000, max_prompt: int = 256) -> list[list[int]]:
     """First user turns of embedded ShareGPT conversations past the first `skip` usable ones
     (bench quality trains on the first ~1,200), rendered with the chat template: 8 to
-    `max_prompt` tokens each, at most n. (The same selection as bench.heldout_prompts; here so
-    that regen.py, below bench, can use it without an import circle.)"""
+    `max_prompt` tokens each, at most n: the prompts every bench decodes."""
     out = []
     for i, (_, messages) in enumerate(iter_samples([EMBEDDED_SHAREGPT])):
         if i < skip:

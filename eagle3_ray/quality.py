@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from eagle3_ray import ttt, verifier
+from eagle3_ray import data, ttt, verifier
 
 SERVED_DEPTH = 16
 
@@ -37,7 +37,6 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
     tau_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} a_j for d = 0..depth, and the measured
     acceptance length (tokens per verify round at `depth`)."""
     from eagle3_ray import planner, speculate
-    from eagle3_ray.bench import heldout_prompts
     from eagle3_ray.train import load_trained_drafter
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     spec = spec or meta["verifier"]
@@ -47,7 +46,7 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
     drafted, accepted = [0] * depth, [0] * depth
     rounds = tokens = 0
     t0 = time.perf_counter()
-    for prompt in heldout_prompts(tok, prompts):
+    for prompt in data.heldout_prompts(tok, prompts):
         for r in list(dec.generate(prompt, sp, depth))[1:]:      # the first is the prefill
             rounds += 1
             tokens += len(r.tokens)

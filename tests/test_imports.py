@@ -95,9 +95,10 @@ def test_no_import_circle_among_the_package_modules():
         assert not graph[low] & {"serve", "serve_vllm", "bench"}, (low, graph[low])
 
 
-def test_regen_takes_the_held_out_prompts_bench_takes(tiny_tokenizer):
-    """regen.py (below bench: extract imports it) reads its prompts from data.heldout_prompts,
-    not from bench, which imports regen; bench keeps its own copy, which must agree."""
-    from eagle3_ray import bench, data
-    assert data.heldout_prompts(tiny_tokenizer, 3) == bench.heldout_prompts(tiny_tokenizer, 3)
-    assert len(data.heldout_prompts(tiny_tokenizer, 3, skip=10, max_prompt=64)) == 3
+def test_held_out_prompts_are_past_the_training_conversations(tiny_tokenizer):
+    """Every bench decodes data.heldout_prompts: 8..max_prompt tokens, at most n, and a later
+    `skip` gives other prompts (training reads the first conversations)."""
+    from eagle3_ray import data
+    a = data.heldout_prompts(tiny_tokenizer, 3, skip=10, max_prompt=64)
+    assert len(a) == 3 and all(8 <= len(p) <= 64 for p in a)
+    assert data.heldout_prompts(tiny_tokenizer, 3, skip=5000, max_prompt=64) != a
