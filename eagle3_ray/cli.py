@@ -184,6 +184,7 @@ def cmd_extract(a):
 def cmd_demo(a):
     from eagle3_ray.demo import DemoConfig, run_demo
     run_demo(DemoConfig(run_dir=a.run_dir, samples=a.samples, max_length=a.max_length,
+                        regenerate=a.regenerate, regen_max_new_tokens=a.regen_max_new_tokens,
                         ttt_steps=a.ttt_steps, train_minutes=a.train_minutes, depth=a.depth,
                         prompts=a.prompts, max_tokens=a.max_tokens, fresh=a.fresh,
                         address=a.address))
@@ -360,6 +361,9 @@ def main(argv=None) -> int:
     d.add_argument("--run-dir", default="runs/demo")
     d.add_argument("--samples", type=int, default=400, help="conversations to extract")
     d.add_argument("--max-length", type=int, default=512)
+    d.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=False,
+                   help="train on the verifier's own greedy answers")
+    d.add_argument("--regen-max-new-tokens", type=int, default=256)
     d.add_argument("--ttt-steps", type=int, default=4)
     d.add_argument("--train-minutes", type=float, default=6.0)
     d.add_argument("--depth", type=int, default=0, help="served depth (0: the ttt_steps)")

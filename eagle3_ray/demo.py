@@ -25,6 +25,8 @@ class DemoConfig:
     run_dir: str = "runs/demo"
     samples: int = 400                    # conversations to extract
     max_length: int = 512                 # tokens per sample
+    regenerate: bool = False              # train on the verifier's own greedy answers
+    regen_max_new_tokens: int = 256       # tokens per regenerated assistant turn
     ttt_steps: int = 4
     train_minutes: float = 6.0            # training wall-clock budget
     depth: int = 0                        # served depth; 0 = the drafter's ttt_steps
@@ -42,14 +44,14 @@ def run_demo(cfg: DemoConfig) -> dict:
     t0 = time.perf_counter()
     data_dir, train_dir = (os.path.join(cfg.run_dir, d) for d in ("data", "train"))
     run_extract(ExtractConfig(output=data_dir, sample_limit=cfg.samples,
-                              max_length=cfg.max_length, batch_rows=32), cfg.address)
+                              max_length=cfg.max_length, batch_rows=32,
+                              regenerate=cfg.regenerate,
+                              regen_max_new_tokens=cfg.regen_max_new_tokens), cfg.address)
     t1 = time.perf_counter()
     if not os.path.isfile(os.path.join(train_dir, "drafter", "meta.json")):
-        run_train(TrainConfig(
-            dataset=data_dir, output=train_dir, ttt_steps=cfg.ttt_steps, ttt_ramp=0.5,
-            deep_fraction=0.25, draft_vocab_size=8192, max_steps=1_000_000,
-            max_minutes=cfg.train_minutes,
-            batch_size=4, max_seq_len=cfg.max_length, lr=1e-3, warmup_steps=20, eval_every=0,
+        run_train(TrainConfig(      # the recipe is TrainConfig's default (docs/benchmarks.md)
+            dataset=data_dir, output=train_dir, ttt_steps=cfg.ttt_steps, max_steps=1_000_000,
+            max_minutes=cfg.train_minutes, max_seq_len=cfg.max_length, eval_every=0,
             log_every=25, checkpoint_every=100, num_workers=2, cpus_per_worker=0.5), cfg.address)
     t2 = time.perf_counter()
     report = serve_and_measure(cfg, os.path.join(train_dir, "drafter"))
@@ -71,7 +73,7 @@ def _free_port() -> int:
 def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
     import requests
     from ray import serve as ray_serve
-    from eagle3_ray import bench, serve
+    from eagle3_ray import data, serve
     meta = json.load(open(os.path.join(drafter_dir, "meta.json")))
     depth = cfg.depth or meta["ttt_steps"]
     scfg = serve.ServeConfig(drafter=drafter_dir, depth=depth, max_depth=max(16, depth),
@@ -80,7 +82,7 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
     url = serve.start(scfg, cfg.address, name="demo")
     try:
         tok = verifier.load_tokenizer(scfg.verifier)
-        prompts = [tok.decode(p) for p in bench.heldout_prompts(tok, cfg.prompts + 1)]
+        prompts = [tok.decode(p) for p in data.heldout_prompts(tok, cfg.prompts + 1)]
         arms = [0, depth, "dynamic"]                  # "dynamic": no speculation_depth sent
         runs = {d: [] for d in arms}
         for i, prompt in enumerate(prompts):          # prompt 0 warms the replica up
