@@ -30,7 +30,9 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="dataset directory: local path or URI")
     p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER,
                    help="transformers dir, .gguf file, or embedded:smollm2")
-    p.add_argument("--layer-ids", type=int, nargs=3, help="aux layers (vLLM convention)")
+    p.add_argument("--layer-ids", type=int, nargs=3,
+                   help="aux layers, as the input of layer i (vLLM convention): 3 distinct "
+                        "ids >= 1, sorted ascending")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--limit", type=int, help="first N usable conversations")
     p.add_argument("--replicas", type=int, default=1)
