@@ -173,17 +173,12 @@ def compare(name: str, arms: dict[str, dict], conversations: int = 1200, max_len
 
 
 def host_flags() -> list[str]:
-    """The CPU flags that decide the fast paths here (avx512_bf16, amx_bf16, avx2, ...)."""
-    want = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [x for x in want if x in flags] + \
-        (["EAGLE3_RAY_NATIVE_BF16=" + os.environ["EAGLE3_RAY_NATIVE_BF16"]]
-         if "EAGLE3_RAY_NATIVE_BF16" in os.environ else [])
+    """bench.cpu_facts as a short label: the CPU flags that decide the fast paths here
+    (avx2, avx512f, avx512_bf16, amx) and the variables that cap them."""
+    from eagle3_ray.bench import cpu_facts
+    facts = cpu_facts()
+    return [k for k in ("avx2", "avx512f", "avx512_bf16", "amx") if facts[k]] + \
+        [f"{k}={v}" for k, v in facts["env"].items()]
 
 
 def quality_arms(ttt_list=(1, 4, 8), **recipe) -> dict[str, dict]:
