@@ -1,6 +1,7 @@
 """Benchmarks, measured side by side in one run (these machines are shared and noisy).
 
 bench quality / bench recipe (drafters compared by served acceptance): see quality.py.
+bench storage (bf16 vs fp8_e4m3 hidden states: bytes/token, drafter accuracy): its block below.
 
 bench extract: the Ray Data extraction pipeline against a plain transformers forward loop over
 the same samples (same verifier, tokens, dtype and thread count; the loop does no I/O, no
@@ -30,22 +31,35 @@ def save_result(out_dir: str, name: str, result: dict, plot) -> None:
     plot(result, os.path.join(out_dir, f"{name}.png"))
 
 
-def plain_loop(spec: str, seqs: list[list[int]], layer_ids: list[int]) -> dict:
-    """What a user would write: load the model, forward each sample with
-    output_hidden_states=True (decoder only, no lm_head), keep the 4 states in bf16."""
-    t0 = time.perf_counter()
-    model = verifier.load_verifier(spec)
-    load_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    with torch.inference_mode():
-        for ids in seqs:
-            out = model.base_model(input_ids=torch.tensor([ids]), output_hidden_states=True,
-                                   use_cache=False)
-            hs = out.hidden_states
-            _ = [hs[i].to(torch.bfloat16) for i in layer_ids]
-    loop_s = time.perf_counter() - t1
+def plain_loop(spec: str, seqs: list[list[int]], layer_ids: list[int], threads: int) -> dict:
+    """What a user would write to get what the pipeline stores per sample: load the model,
+    forward each sample with output_hidden_states=True (the 3 aux states) and a hook on the
+    final norm (the last state before it), argmax of the full-vocabulary logits (target_ids),
+    the 4 states in bf16. Same dtype (load_verifier's) and torch threads as the extractor."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t0 = time.perf_counter()
+        model = verifier.load_verifier(spec)
+        load_s = time.perf_counter() - t0
+        last = {}
+        hook = verifier.final_norm(model).register_forward_pre_hook(
+            lambda module, args: last.update(h=args[0]))
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            for ids in seqs:
+                out = model(input_ids=torch.tensor([ids]), output_hidden_states=True,
+                            use_cache=False)
+                hs = out.hidden_states
+                _ = [hs[i].to(torch.bfloat16) for i in layer_ids] + [last["h"].to(torch.bfloat16)]
+                _ = out.logits.argmax(-1)                                  # [1, S] target_ids
+        loop_s = time.perf_counter() - t1
+        hook.remove()
+    finally:
+        torch.set_num_threads(before)
     tokens = sum(len(s) for s in seqs)
-    return {"load_s": load_s, "loop_s": loop_s, "tokens": tokens,
+    return {"load_s": load_s, "loop_s": loop_s, "tokens": tokens, "threads": threads,
+            "dtype": str(model.dtype).removeprefix("torch."),
             "tokens_per_s": tokens / loop_s, "tokens_per_s_with_load": tokens / (load_s + loop_s)}
 
 
@@ -78,9 +92,11 @@ def bench_extract(samples: int = 128, max_length: int = 512, out_dir: str = "run
             seqs.append(data.tokenize_conversation(tok, messages, max_length)[0])
         except data.SkipRecord:
             pass
+    from eagle3_ray.extract import ExtractConfig, replica_threads
+    threads = replica_threads(ExtractConfig())  # the extractor actor's torch threads
     runs = {"plain_loop": [], "pipeline": []}
     for r in range(repeats):
-        runs["plain_loop"].append(plain_loop(spec, seqs, layer_ids))
+        runs["plain_loop"].append(plain_loop(spec, seqs, layer_ids, threads))
         runs["pipeline"].append(pipeline(spec, samples, max_length))
         print(f"[bench] repeat {r}: loop {runs['plain_loop'][-1]['tokens_per_s']:.0f} tok/s "
               f"(with load {runs['plain_loop'][-1]['tokens_per_s_with_load']:.0f}), pipeline "
@@ -648,6 +664,14 @@ def cpu_facts() -> dict:
                     if k in os.environ}}
 
 
+def host_flags() -> list[str]:
+    """cpu_facts as a short label: the CPU flags that decide the fast paths here (avx2,
+    avx512f, avx512_bf16, amx) and the variables that cap them."""
+    facts = cpu_facts()
+    return [k for k in ("avx2", "avx512f", "avx512_bf16", "amx") if facts[k]] + \
+        [f"{k}={v}" for k, v in facts["env"].items()]
+
+
 def bench_regen(prompts: int = 32, max_new_tokens: int = 128, batch: int = 32,
                 out_dir: str = "runs/bench", name: str = "regen",
                 spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0) -> dict:
@@ -761,6 +785,210 @@ def _plot_regen(result: dict, path: str) -> None:
     cpu = result["cpu"]
     ax.set_title(f"regen: {result['prompts']} prompts x {result['max_new_tokens']} new tokens, "
                  f"{result['dtype']}, ISA {cpu['torch_cpu_capability']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- bench storage --------------------------------------------------------------------------
+# The same conversations extracted with bf16 and with fp8_e4m3 hidden states (extract
+# --hidden-storage): bytes per token on disk, total and hidden states only, against the bf16
+# floor 8·H; how far the fp8 states and their teacher are from the bf16 ones; and one drafter
+# per storage trained for the same optimizer steps (same seed, TrainConfig defaults otherwise),
+# each evaluated teacher-forced on the same held-out split (the bf16 states, which is what a
+# served drafter sees, and its own storage's). A second bf16 drafter with another seed measures
+# the seed-to-seed noise the accuracy difference is to be read against (noise="auto": only when
+# fp8 and bf16 differ by more than 0.01 in held-out position-0 accuracy). Everything resumes.
+#
+#     eagle3-ray bench storage --samples 48 --max-length 256 --steps 10 --out /tmp/bench
+
+STORAGES = ("bf16", "fp8_e4m3")
+
+
+def _storage_error(bf16_dir: str, fp8_dir: str, spec: str, rows: int = 16) -> dict:
+    """On `rows` samples (those of the bf16 dataset's first part): relative L2 error of the fp8
+    states per token vector, and how often the teacher's argmax (lm_head(norm(last))) from fp8
+    / bf16 states equals the verifier's own argmax at extraction (target_ids)."""
+    import pyarrow.parquet as pq
+    from eagle3_ray import schema
+
+    def read(path, want=None):
+        fs, root = schema.resolve_fs(path)
+        out = {}
+        for p in schema.list_parts(fs, root):
+            for r in pq.read_table(p, filesystem=fs).to_pylist():
+                if (r["sample_id"] in want) if want else len(out) < rows:
+                    out[r["sample_id"]] = r
+            if len(out) >= (len(want) if want else rows):
+                break
+        return out
+
+    a = read(bf16_dir)
+    b = read(fp8_dir, set(a))
+    model = verifier.load_verifier(spec)
+    norm, head = verifier.final_norm(model), model.get_output_embeddings()
+    hidden = model.config.hidden_size
+    rel = {"aux_hidden_states": [], "last_hidden_states": []}
+    agree = {"bf16": 0, "fp8_e4m3": 0}
+    tokens = 0
+    with torch.inference_mode():
+        for sid in sorted(a.keys() & b.keys()):
+            ta, tb = schema.decode_row(a[sid], hidden), schema.decode_row(b[sid], hidden)
+            for k in rel:
+                x, y = ta[k].float(), tb[k].float()                    # [S, (3,) H]
+                rel[k].append(((y - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).flatten())
+            for name, t in (("bf16", ta), ("fp8_e4m3", tb)):
+                h = t["last_hidden_states"].to(model.dtype)            # [S, H]
+                agree[name] += int((head(norm(h)).argmax(-1) == ta["target_ids"]).sum())
+            tokens += len(ta["target_ids"])
+    return {"rows": len(a.keys() & b.keys()), "tokens": tokens,
+            "rel_l2_error_mean": {k: float(torch.cat(v).mean()) for k, v in rel.items()},
+            "rel_l2_error_max": {k: float(torch.cat(v).max()) for k, v in rel.items()},
+            "teacher_argmax_agrees_with_target_ids": {k: v / max(1, tokens)
+                                                      for k, v in agree.items()}}
+
+
+def bench_storage(conversations: int = 600, max_length: int = 512, steps: int = 150,
+                  out_dir: str = "runs/bench", fresh: bool = False, seed: int = 0,
+                  noise: str = "auto", noise_seed: int = 1, depth: int = 8,
+                  spec: str = verifier.EMBEDDED_VERIFIER) -> dict:
+    """Bytes/token and held-out drafter accuracy of bf16 vs fp8_e4m3 hidden-state storage.
+    noise: also train a bf16 drafter with `noise_seed` ("always"; "auto": only when the fp8
+    and bf16 position-0 accuracies differ by more than 0.01; "never"). Writes
+    <out_dir>/storage.json + storage.png; datasets and runs under <out_dir>/storage/."""
+    if noise not in ("auto", "always", "never"):
+        raise ValueError(f"noise must be auto, always or never, got {noise!r}")
+    from eagle3_ray.extract import ExtractConfig, run_extract
+    from eagle3_ray.train import TrainConfig, evaluate_drafter, run_train
+    root = os.path.join(out_dir, "storage")
+    if fresh:
+        shutil.rmtree(root, ignore_errors=True)
+    t0 = time.perf_counter()
+    datasets = {}
+    for storage in STORAGES:
+        path = os.path.join(root, "data", storage)
+        m = run_extract(ExtractConfig(verifier=spec, output=path, sample_limit=conversations,
+                                      max_length=max_length, batch_rows=32,
+                                      hidden_storage=storage))
+        s, floor = m["summary"], m["summary"]["bf16_hidden_bytes_per_token"]
+        datasets[storage] = {
+            "path": path, "format_version": m["format_version"], "samples": s["samples"],
+            "tokens": s["tokens"], "bytes": s["bytes"], "bytes_per_token": s["bytes_per_token"],
+            "hidden_disk_bytes_per_token": s["hidden_disk_bytes_per_token"],
+            "storage_floor_bytes_per_token": s["hidden_bytes_per_token"],
+            "bf16_floor_bytes_per_token": floor,
+            "bytes_per_token_vs_bf16_floor": s["bytes_per_token"] / floor,
+            "hidden_bytes_per_token_vs_bf16_floor": s["hidden_disk_bytes_per_token"] / floor,
+            "extract_wall_s": s["this_run"]["wall_s"] if s["this_run"]["samples"] else None}
+        print(f"[bench] storage {storage}: {s['bytes_per_token']:.0f} B/token on disk "
+              f"(hidden states {s['hidden_disk_bytes_per_token']:.0f}) = "
+              f"{s['bytes_per_token'] / floor:.3f} x the bf16 floor 8·H = {floor}", flush=True)
+    if len({(d["samples"], d["tokens"]) for d in datasets.values()}) != 1:
+        raise RuntimeError(f"{root}/data: the storages hold different samples: {datasets}")
+    error = _storage_error(datasets["bf16"]["path"], datasets["fp8_e4m3"]["path"], spec)
+
+    arms = {storage: (storage, seed) for storage in STORAGES}
+    noise_arm = f"bf16-seed{noise_seed}"
+    if noise == "always":
+        arms[noise_arm] = ("bf16", noise_seed)
+    runs = {}
+    for name, (storage, arm_seed) in _arms_then_noise(arms, noise, noise_arm, noise_seed, runs):
+        run_dir = os.path.join(root, name)
+        drafter = os.path.join(run_dir, "drafter")
+        meta_path = os.path.join(drafter, "meta.json")
+        t1, train_s = time.perf_counter(), None          # None: a finished run, reused
+        if not (os.path.exists(meta_path) and json.load(open(meta_path))["steps"] >= steps):
+            run_train(TrainConfig(dataset=datasets[storage]["path"], output=run_dir,
+                                  verifier=spec, max_steps=steps, max_seq_len=max_length,
+                                  seed=arm_seed, num_workers=2, cpus_per_worker=0.5))
+            train_s = time.perf_counter() - t1
+        meta = json.load(open(meta_path))
+        row = {"storage": storage, "seed": arm_seed, "steps": meta["steps"],
+               "train_wall_s": train_s, "train_loop_s": meta["final_metrics"].get("train_s"),
+               "eval": {}}
+        for on in dict.fromkeys(("bf16", storage)):      # the served case first, then its own
+            ev = evaluate_drafter(drafter, datasets[on]["path"], depth, max_seq_len=max_length)
+            cond = [ev[f"cond_acc_{i}"] for i in range(depth)]
+            row["eval"][on] = {"acc": [ev[f"acc_{i}"] for i in range(depth)], "cond_acc": cond,
+                               "tau": ttt.accept_lengths(cond)[depth],
+                               "positions_0": ev["count_0"]}
+        runs[name] = row
+        e = row["eval"]["bf16"]
+        print(f"[bench] storage {name}: {meta['steps']} steps "
+              f"({'reused' if train_s is None else f'in {train_s:.0f}s'}); held-out acc0 "
+              f"{e['acc'][0]:.4f}, tau({depth}) {e['tau']:.3f} (on bf16 states)"
+              + (f"; on its own fp8 states acc0 {row['eval'][storage]['acc'][0]:.4f}"
+                 if storage != "bf16" else ""), flush=True)
+
+    acc0 = {k: r["eval"]["bf16"]["acc"][0] for k, r in runs.items()}
+    result = {
+        "bench": "storage", "verifier": spec, "conversations": conversations,
+        "max_length": max_length, "steps": steps, "depth": depth, "seed": seed,
+        "host": host_flags(), "cpu": cpu_facts(), "torch_threads": torch.get_num_threads(),
+        "datasets": datasets, "fp8_error": error, "runs": runs,
+        "acc0_fp8_minus_bf16": acc0["fp8_e4m3"] - acc0["bf16"],
+        "acc0_seed_noise": acc0[noise_arm] - acc0["bf16"] if noise_arm in acc0 else None,
+        "done_when": {
+            "bytes_per_token_vs_bf16_floor": datasets["fp8_e4m3"]["bytes_per_token_vs_bf16_floor"],
+            "bytes_ok": datasets["fp8_e4m3"]["bytes_per_token_vs_bf16_floor"] <= 0.55,
+            "acc0_ok": abs(acc0["fp8_e4m3"] - acc0["bf16"]) <= 0.01},
+        "total_s": time.perf_counter() - t0,
+        "note": "bytes_per_token: the whole Parquet dataset on disk (zstd; ids, masks, target_ids "
+                "and footers included) over its tokens; hidden: the compressed hidden-state "
+                "columns (scales included). Floors: bf16 8·H, fp8_e4m3 4·H + 16 (a float32 "
+                "scale per token and slot). eval: train.evaluate_drafter teacher-forced on the "
+                f"held-out split (eval_fraction 0.05 by sample_id hash), {depth} positions; "
+                "'bf16' = on the bf16 states (what a served drafter sees). tau = 1 + "
+                "sum_{i<d} prod_{j<=i} cond_acc_j at d = depth.",
+    }
+    save_result(out_dir, "storage", result, _plot_storage)
+    print(f"[bench] storage: fp8 {result['done_when']['bytes_per_token_vs_bf16_floor']:.3f} x "
+          f"the bf16 floor on disk; acc0 fp8 - bf16 = {result['acc0_fp8_minus_bf16']:+.4f}"
+          + (f" (bf16 seed noise {result['acc0_seed_noise']:+.4f})"
+             if result["acc0_seed_noise"] is not None else "") + f" -> {out_dir}/storage.json")
+    return result
+
+
+def _arms_then_noise(arms: dict, noise: str, noise_arm: str, noise_seed: int, runs: dict):
+    """The arms in order; with noise="auto", then the noise arm if the finished bf16 and fp8
+    runs (in `runs`) differ by more than 0.01 in held-out position-0 accuracy."""
+    yield from arms.items()
+    if noise == "auto":
+        acc0 = {k: runs[k]["eval"]["bf16"]["acc"][0] for k in STORAGES}
+        if abs(acc0["fp8_e4m3"] - acc0["bf16"]) > 0.01:
+            print(f"[bench] storage: acc0 differs by {acc0['fp8_e4m3'] - acc0['bf16']:+.4f}; "
+                  f"training bf16 with seed {noise_seed} to measure the noise", flush=True)
+            yield noise_arm, ("bf16", noise_seed)
+
+
+def _plot_storage(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ds, runs = result["datasets"], result["runs"]
+    floor = ds["bf16"]["bf16_floor_bytes_per_token"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    x = range(len(ds))
+    a1.bar([i - 0.2 for i in x], [d["bytes_per_token"] for d in ds.values()], 0.4,
+           label="on disk, total", color="#3a7")
+    a1.bar([i + 0.2 for i in x], [d["hidden_disk_bytes_per_token"] for d in ds.values()], 0.4,
+           label="on disk, hidden states", color="#7b5")
+    for i, d in enumerate(ds.values()):
+        a1.text(i - 0.2, d["bytes_per_token"], f"{d['bytes_per_token_vs_bf16_floor']:.2f}x",
+                ha="center", va="bottom", fontsize=8)
+    a1.axhline(floor, color="k", ls="--", label=f"bf16 floor 8·H = {floor}")
+    a1.axhline(0.55 * floor, color="r", ls=":", label="0.55 x bf16 floor")
+    a1.set_xticks(list(x), list(ds)), a1.set_ylabel("bytes / token")
+    a1.set_title(f"{result['conversations']} conversations, max_length {result['max_length']}")
+    for i, (name, r) in enumerate(runs.items()):
+        e = r["eval"]["bf16"]
+        a2.plot(range(len(e["acc"])), e["acc"], "o-", ms=3, color=f"C{i}",
+                label=f"{name}: acc0 {e['acc'][0]:.3f}, tau {e['tau']:.2f}")
+    a2.set_xlabel("draft position k"), a2.set_ylabel("held-out accuracy (teacher-forced)")
+    a2.set_ylim(0, 1)
+    a2.set_title(f"{result['steps']} steps each, host {' '.join(result['host'])}", fontsize=8)
+    for a in (a1, a2):
+        a.grid(alpha=.3), a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

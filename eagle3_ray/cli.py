@@ -7,6 +7,7 @@
     eagle3-ray serve --drafter /tmp/tr/drafter --depth 4   # OpenAI API on Ray Serve, prints URL
     eagle3-ray bench extract --samples 32             # pipeline vs plain forward loop, JSON+PNG
     eagle3-ray bench regen --samples 32 --max-new-tokens 128   # batched generation vs HF loops
+    eagle3-ray bench storage --samples 48 --steps 10  # bf16 vs fp8 hidden states: bytes, accuracy
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml  # measure this machine -> node profile
     eagle3-ray plan --acceptance runs/bench/quality.json --profile pcie-8x-rtx-pro-6000-kimi-k2.5
     eagle3-ray plan --sweep 0.6 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
@@ -25,11 +26,18 @@ from eagle3_ray.launch import init_ray, run_main
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:
     """Flags of ExtractConfig (shared with jobs/extract.py)."""
-    p.add_argument("--inputs", nargs="+", default=[data.EMBEDDED_SHAREGPT],
-                   help="conversation files/dirs/URIs (.json, .jsonl, .parquet) or embedded:sharegpt")
     p.add_argument("--output", required=True, help="dataset directory: local path or URI")
     p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER,
                    help="transformers dir, .gguf file, or embedded:smollm2")
+    p.add_argument("--node-resource", help="custom resource pinning replicas (e.g. extract_node)")
+    add_pipeline_args(p)
+    p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The extraction pipeline's flags, shared by `extract` and `train --online`."""
+    p.add_argument("--inputs", nargs="+", default=[data.EMBEDDED_SHAREGPT],
+                   help="conversation files/dirs/URIs (.json, .jsonl, .parquet) or embedded:sharegpt")
     p.add_argument("--layer-ids", type=int, nargs=3,
                    help="aux layers, as the input of layer i (vLLM convention): 3 distinct "
                         "ids >= 1, sorted ascending")
@@ -37,11 +45,16 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="first N usable conversations")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=int, default=0)
-    p.add_argument("--node-resource", help="custom resource pinning replicas (e.g. extract_node)")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0,
+                   help="Ray CPUs per CPU-only verifier replica")
     p.add_argument("--max-gpu-memory", help='per-GPU cap when sharding, e.g. "70GiB"')
-    p.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")
+    p.add_argument("--token-budget", type=int, default=0,
+                   help="padded tokens per forward (default 0: 16384 on GPUs, 2048 on CPU)")
     p.add_argument("--batch-rows", type=int, default=64, help="samples per batch / Parquet part")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--hidden-storage", choices=["bf16", "fp8_e4m3"], default="bf16",
+                   help="stored hidden states: bf16 (8·H B/token) or fp8_e4m3 (4·H+16: e4m3 "
+                        "with a float32 scale per token and slot; docs/extract.md)")
     p.add_argument("--regenerate", action="store_true", help="verifier rewrites assistant turns")
     p.add_argument("--regen-max-new-tokens", type=int, default=512)
     p.add_argument("--regen-temperature", type=float, default=0.0)
@@ -50,17 +63,22 @@ def add_extract_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-batch", type=int, default=64, help="rows per generation forward")
     p.add_argument("--regen-token-budget", type=int, default=65536,
                    help="KV-cache tokens per generation batch: rows x (prompt + new tokens)")
-    p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
 
 
 def extract_config(a: argparse.Namespace):
+    """The parsed flags -> ExtractConfig (`train --online`: no --output, the training
+    --verifier, --replica-node-resource)."""
     from eagle3_ray.extract import ExtractConfig
+    online = getattr(a, "online", False)
     return ExtractConfig(
-        inputs=a.inputs, output=a.output, verifier=a.verifier, layer_ids=a.layer_ids,
+        inputs=a.inputs, output="" if online else a.output,
+        verifier=a.verifier, layer_ids=a.layer_ids,
         max_length=a.max_length, sample_limit=a.limit, replicas=a.replicas,
         gpus_per_replica=a.gpus_per_replica, max_gpu_memory=a.max_gpu_memory,
-        node_resource=a.node_resource,
+        cpus_per_replica=a.cpus_per_replica,
+        node_resource=a.replica_node_resource if online else a.node_resource,
         token_budget=a.token_budget, batch_rows=a.batch_rows, dtype=a.dtype,
+        hidden_storage=a.hidden_storage,
         regenerate=a.regenerate, regen_max_new_tokens=a.regen_max_new_tokens,
         regen_temperature=a.regen_temperature, regen_top_p=a.regen_top_p, regen_seed=a.regen_seed,
         regen_batch=a.regen_batch, regen_token_budget=a.regen_token_budget)
@@ -70,7 +88,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     """Flags of TrainConfig (shared with jobs/train.py); defaults are TrainConfig's."""
     from eagle3_ray.train import TrainConfig
     d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    p.add_argument("--dataset", required=True, help="hidden-state dataset dir/URI (extract output)")
+    p.add_argument("--dataset", help="hidden-state dataset dir/URI (extract output); or --online")
     p.add_argument("--output", required=True, help="run dir: checkpoints, metrics, drafter/")
     p.add_argument("--verifier", default=d["verifier"])
     p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"], help="TTT unroll depth (1-32)")
@@ -105,6 +123,19 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-resource", help="custom resource pinning workers (e.g. train_node)")
     p.add_argument("--max-failures", type=int, default=d["max_failures"])
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
+    o = p.add_argument_group("online training (--online: hidden states streamed from verifier "
+                             "replicas, no dataset on disk; docs/train.md)")
+    o.add_argument("--online", action="store_true",
+                   help="extract while training: takes the extraction flags below, not --dataset")
+    o.add_argument("--cache", help="also write the first epoch as an offline dataset here; "
+                                   "later epochs read it instead of running the verifier")
+    o.add_argument("--replica-node-resource",
+                   help="custom resource pinning verifier replicas (e.g. extract_node)")
+    o.add_argument("--vocab-samples", type=int, default=50_000,
+                   help="conversations whose assistant tokens pick the draft vocabulary")
+    o.add_argument("--eval-samples", type=int, default=512,
+                   help="held-out conversations extracted once for evaluation")
+    add_pipeline_args(o)
 
 
 def train_config(a: argparse.Namespace):
@@ -167,6 +198,14 @@ def cmd_serve(a):
 
 
 def cmd_train(a):
+    """Offline (--dataset) or online (--online: extraction flags instead of a dataset)."""
+    if bool(a.dataset) == bool(a.online):
+        raise ValueError("train needs exactly one of --dataset DIR and --online")
+    if a.online:
+        from eagle3_ray.online import run_online
+        run_online(train_config(a), extract_config(a), a.address, cache=a.cache,
+                   vocab_samples=a.vocab_samples, eval_samples=a.eval_samples)
+        return
     from eagle3_ray.train import run_train
     run_train(train_config(a), a.address)
 
@@ -194,9 +233,11 @@ def cmd_demo(a):
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of `eagle3-ray bench` (shared with jobs/bench.py)."""
-    p.add_argument("what", choices=["extract", "train", "quality", "recipe", "serve", "regen"])
+    p.add_argument("what", choices=["extract", "train", "quality", "recipe", "serve", "regen",
+                                    "storage", "online"])
     p.add_argument("--samples", type=int,
-                   help="conversations (extract: 128, quality/recipe: 1200) / prompts (serve: 8)")
+                   help="conversations (extract: 128, quality/recipe: 1200, storage: 600) / "
+                        "prompts (serve: 8)")
     p.add_argument("--regen-samples", type=int,
                    help="quality/recipe: conversations of the regenerated dataset (default "
                         "--samples; regeneration costs ~30x a plain extraction on CPU)")
@@ -215,7 +256,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0,
                    help="quality/recipe: training minutes per drafter")
     p.add_argument("--steps", type=int, default=0,
-                   help="quality/recipe: optimizer steps per drafter instead of --minutes")
+                   help="quality/recipe: optimizer steps per drafter instead of --minutes; "
+                        "storage: steps per drafter (default 150)")
+    p.add_argument("--noise-arm", choices=("auto", "always", "never"), default="auto",
+                   help="storage: a second bf16 drafter (seed 1) measuring seed-to-seed noise "
+                        "(auto: when fp8 and bf16 differ by > 0.01 in held-out acc 0)")
     p.add_argument("--fresh", action="store_true", help="quality/recipe: retrain every drafter")
     p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8],
                    help="quality: ttt_steps of each drafter (recipe: the first)")
@@ -253,7 +298,16 @@ def cmd_bench(a):
                           batch=a.batch, out_dir=a.out, name=a.name, threads=a.threads)
         return
     init_ray(a.address)
-    if a.what == "extract":
+    if a.what == "storage":  # bf16 vs fp8 hidden-state storage: bytes/token, drafter accuracy
+        bench.bench_storage(conversations=a.samples or 600, max_length=a.max_length,
+                            steps=a.steps or 150, out_dir=a.out, fresh=a.fresh,
+                            noise=a.noise_arm)
+    elif a.what == "online":  # offline vs online vs online --cache: wall, bytes, accuracy
+        from eagle3_ray.bench_online import bench_online
+        bench_online(samples=a.samples or 160, max_length=a.max_length, steps=a.steps,
+                     out_dir=a.out, served_prompts=a.served_prompts,
+                     served_tokens=a.served_tokens)
+    elif a.what == "extract":
         bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
                             repeats=a.repeats)
     else:

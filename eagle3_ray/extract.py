@@ -25,6 +25,7 @@ import zlib
 from dataclasses import asdict, dataclass, field, replace
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from eagle3_ray import __version__, data, schema, verifier
 
@@ -37,6 +38,8 @@ SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("to
 # A custom node-type resource is requested in a sliver: it pins work to the nodes that carry it
 # without limiting how much work fits on one (GPUs/CPUs do that).
 NODE_RESOURCE_SLIVER = 0.001
+STATS_NAMESPACE = "eagle3_ray"  # Ray namespace of the online StatsActor (online.py)
+TOKENIZE_CPUS = 0.5             # Ray CPUs of a Tokenize actor
 
 
 @dataclass
@@ -55,11 +58,17 @@ class ExtractConfig:
     node_resource: str | None = None     # custom resource of the node type to run replicas on
                                          # (e.g. extract_node, cluster/); a sliver is requested
     torch_threads: int = 0               # CPU replicas: torch threads; 0 = cores // replicas
-    token_budget: int = 16384            # padded tokens per verifier forward (micro-batch)
+    token_budget: int = 0                # padded tokens per verifier forward (micro-batch);
+                                         # 0 = 16384 on GPUs, 2048 on CPU (micro_batch_tokens)
     batch_rows: int = 64                 # samples per Ray Data batch (= per Parquet part, unless
     part_bytes: int = 1 << 30            # ... its hidden states pass this size: then several)
-    tokenizer_actors: int = 1            # CPU actors running the chat template + mask
+    tokenizer_actors: int = 1            # CPU actors running the chat template + mask ahead
+                                         # of GPU replicas; CPU replicas (and 0) tokenize their
+                                         # own batches (tokenizes_in_extractor)
     dtype: str | None = None             # verifier compute dtype; None = bf16 on GPU, fp32 on CPU
+    hidden_storage: str = "bf16"         # stored hidden states: bf16 (8·H B/token, lossless
+                                         # bf16) | fp8_e4m3 (4·H+16: e4m3 + a float32 scale per
+                                         # token and slot; format 3; schema.py)
     regenerate: bool = False             # the verifier rewrites the assistant turns first
     regen_max_new_tokens: int = 512      # per regenerated assistant turn
     regen_temperature: float = 0.0       # 0 = greedy
@@ -67,6 +76,10 @@ class ExtractConfig:
     regen_seed: int = 0
     regen_batch: int = 64                # rows per generation batch (regen.BatchGenerator)
     regen_token_budget: int = 65536      # KV tokens per generation batch: rows x (prompt + new)
+    emit: str = "parts"                  # parts: write Parquet parts, return summaries (offline);
+                                         # rows: hand the hidden-state rows on (online training),
+                                         # also written as parts when `output` is set (the cache)
+    stats_actor: str | None = None       # online: name of the StatsActor counting each batch
     # tests only: "die_once:<marker file>" kills an actor once; "sleep:<s>" slows each batch.
     fault_injection: str = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_FAULT", ""))
 
@@ -82,8 +95,44 @@ def dataset_facts(cfg: ExtractConfig, config, tokenizer) -> dict:
     if cfg.regenerate:
         regen = {"max_new_tokens": cfg.regen_max_new_tokens, "temperature": cfg.regen_temperature,
                  "top_p": cfg.regen_top_p, "seed": cfg.regen_seed}
-    facts.update(max_length=cfg.max_length, regenerate=regen, tool_version=__version__)
+    facts.update(max_length=cfg.max_length, regenerate=regen, tool_version=__version__,
+                 hidden_storage=schema.check_storage(cfg.hidden_storage))
     return facts
+
+
+def replica_threads(cfg: ExtractConfig) -> int:
+    """Torch threads of one CPU-only extractor replica: cfg.torch_threads, else cores // replicas."""
+    return cfg.torch_threads or max(1, (os.cpu_count() or 1) // cfg.replicas)
+
+
+def micro_batch_tokens(cfg: ExtractConfig) -> int:
+    """Padded tokens per verifier forward: cfg.token_budget, else 16384 on GPUs and 2048 on
+    CPU, where [16, 512] costs ~6% more per token than [4, 512] or [1, 512] (its activations
+    leave the cache; measured on SmolLM2, bf16 AVX512-BF16 and fp32 AVX2, docs/benchmarks.md)."""
+    return cfg.token_budget or (16384 if cfg.gpus_per_replica else 2048)
+
+
+def tokenizes_in_extractor(cfg: ExtractConfig) -> bool:
+    """Whether the extractor actors tokenize their own batches (no Tokenize stage): with
+    --regenerate (they tokenize what they generated), with CPU replicas (their torch threads
+    take the cores: a Tokenize actor would only add a process start, ~3 CPU-s of imports and
+    tokenizer load, and preempt those threads for ~1% of the work) and with tokenizer_actors=0."""
+    return cfg.regenerate or cfg.gpus_per_replica == 0 or cfg.tokenizer_actors == 0
+
+
+def tokenize_batch(tok, batch: pa.Table, max_length: int) -> pa.Table:
+    """(sample_id, messages_json) -> + input_ids, loss_mask, skip_reason ("" when kept)."""
+    ids, masks, reasons = [], [], []
+    for m in batch.column("messages_json").to_pylist():
+        try:
+            i, k = data.tokenize_conversation(tok, json.loads(m), max_length)
+            reason = ""
+        except data.SkipRecord as e:
+            i, k, reason = [], [], e.args[0]
+        ids.append(i), masks.append(k), reasons.append(reason)
+    return batch.append_column("input_ids", pa.array(ids, pa.list_(pa.int32()))) \
+                .append_column("loss_mask", pa.array(masks, pa.list_(pa.uint8()))) \
+                .append_column("skip_reason", pa.array(reasons, pa.string()))
 
 
 class Tokenize:
@@ -94,17 +143,7 @@ class Tokenize:
         self.max_length = max_length
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        ids, masks, reasons = [], [], []
-        for m in batch.column("messages_json").to_pylist():
-            try:
-                i, k = data.tokenize_conversation(self.tok, json.loads(m), self.max_length)
-                reason = ""
-            except data.SkipRecord as e:
-                i, k, reason = [], [], e.args[0]
-            ids.append(i), masks.append(k), reasons.append(reason)
-        return batch.append_column("input_ids", pa.array(ids, pa.list_(pa.int32()))) \
-                    .append_column("loss_mask", pa.array(masks, pa.list_(pa.uint8()))) \
-                    .append_column("skip_reason", pa.array(reasons, pa.string()))
+        return tokenize_batch(self.tok, batch, self.max_length)
 
 
 def pack_by_token_budget(lengths: list[int], budget: int, max_padding: float = 0.1) -> list[list[int]]:
@@ -139,7 +178,7 @@ class VerifierExtractor:
         t0 = time.perf_counter()
         self.cfg, self.facts = cfg, facts
         if cfg.gpus_per_replica == 0:
-            torch.set_num_threads(cfg.torch_threads or max(1, (os.cpu_count() or 1) // cfg.replicas))
+            torch.set_num_threads(replica_threads(cfg))
         dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
         self.model = verifier.load_verifier(cfg.verifier, dtype, cfg.gpus_per_replica,
                                             cfg.max_gpu_memory)
@@ -147,11 +186,51 @@ class VerifierExtractor:
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.device = self.model.base_model.embed_tokens.weight.device
         self.generator = None  # regen.BatchGenerator, built on the first --regenerate batch
-        self.fs, self.root = schema.resolve_fs(cfg.output)
+        self.part_schema = schema.schema_for(cfg.hidden_storage)  # fp8: + the scale columns
+        self.fs, self.root = schema.resolve_fs(cfg.output) if cfg.output else (None, None)
+        self.stats = None
+        if cfg.stats_actor:
+            import ray
+            self.stats = ray.get_actor(cfg.stats_actor, namespace=STATS_NAMESPACE)
         self.init_s = time.perf_counter() - t0  # reported once, with the first batch
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        """Offline (emit="parts"): write the batch's Parquet part(s), return a one-row summary.
+        Online (emit="rows"): return the hidden-state rows themselves (the part schema), also
+        written as parts when `output` is set (the cache)."""
         t0 = time.perf_counter()
+        tables, skipped, regen_tokens, regen_s = self._extract(batch)
+        write = self.cfg.emit == "parts" or bool(self.cfg.output)
+        files = []
+        for i, t in enumerate(tables):
+            if write:
+                files.append(self._write_table(t))
+            if i == 0:
+                self._maybe_die()  # tests: after the first part is on disk, before the rest
+        if not tables:
+            self._maybe_die()
+        stats = {"samples": sum(t.num_rows for t in tables),
+                 "tokens": sum(sum(t.column("num_tokens").to_pylist()) for t in tables),
+                 "loss_tokens": sum(int(pc.sum(pc.list_flatten(
+                     t.column("loss_mask"))).as_py() or 0) for t in tables)}
+        seconds = time.perf_counter() - t0
+        if self.stats is not None:  # online: the throughput-balance counters
+            self.stats.add.remote("extract", samples=stats["samples"], tokens=stats["tokens"],
+                                  seconds=seconds, skipped=dict(skipped))
+        if self.cfg.emit == "rows":
+            return pa.concat_tables(tables) if tables else self._empty_table()
+        return pa.table({
+            "file": [",".join(files)], "samples": [stats["samples"]], "tokens": [stats["tokens"]],
+            "loss_tokens": [stats["loss_tokens"]], "skipped": [json.dumps(dict(skipped))],
+            "seconds": [seconds], "init_s": [self._take_init_s()],
+            "regen_tokens": [regen_tokens], "regen_s": [regen_s],
+        }, schema=SUMMARY_SCHEMA)
+
+    def _extract(self, batch: pa.Table):
+        """-> (hidden-state tables of at most ~part_bytes each, skip counts, regenerated tokens,
+        regeneration seconds). Rows are length-sorted, so a retried batch gives the same tables."""
+        if not self.cfg.regenerate and "input_ids" not in batch.column_names:
+            batch = tokenize_batch(self.tok, batch, self.cfg.max_length)  # tokenizes_in_extractor
         rows = batch.to_pylist()
         skipped = collections.Counter()
         regen_tokens, regen_s = 0, 0.0
@@ -166,8 +245,9 @@ class VerifierExtractor:
                 if r["skip_reason"]:
                     skipped[r["skip_reason"]] += 1
             rows = [r for r in rows if not r["skip_reason"]]
-        out, files, stats = self._empty_part(), [], collections.Counter()
-        for group in pack_by_token_budget([len(r["input_ids"]) for r in rows], self.cfg.token_budget):
+        out, tables, nbytes = self._empty_part(), [], 0
+        for group in pack_by_token_budget([len(r["input_ids"]) for r in rows],
+                                          micro_batch_tokens(self.cfg)):
             aux, last, greedy = self._forward([rows[i]["input_ids"] for i in group])
             for j, i in enumerate(group):
                 n = len(rows[i]["input_ids"])
@@ -175,34 +255,32 @@ class VerifierExtractor:
                 out["input_ids"].append(rows[i]["input_ids"])
                 out["loss_mask"].append(rows[i]["loss_mask"])
                 out["num_tokens"].append(n)
-                out["aux_hidden_states"].append(schema.encode_bf16(aux[j, :n]))    # [S, 3, H]
-                out["last_hidden_states"].append(schema.encode_bf16(last[j, :n]))  # [S, H]
+                aux_b, aux_s = schema.encode_hidden(aux[j, :n], self.cfg.hidden_storage)  # [S,3,H]
+                last_b, last_s = schema.encode_hidden(last[j, :n], self.cfg.hidden_storage)  # [S,H]
+                out["aux_hidden_states"].append(aux_b)
+                out["last_hidden_states"].append(last_b)
+                if aux_s is not None:  # fp8_e4m3: a float32 scale per token and slot
+                    out["aux_hidden_scales"].append(aux_s)                         # [S, 3]
+                    out["last_hidden_scales"].append(last_s)                       # [S]
                 out["target_ids"].append(greedy[j, :n].tolist())                   # [S]
-                stats["bytes"] += 8 * n * aux.shape[-1]
-            if stats["bytes"] >= self.cfg.part_bytes:  # bound memory: flush a part
-                files.append(self._write(out, stats))
-                out, stats["bytes"] = self._empty_part(), 0
-        self._maybe_die()
+                nbytes += n * schema.hidden_bytes_per_token(aux.shape[-1], self.cfg.hidden_storage)
+            if nbytes >= self.cfg.part_bytes:  # bound memory: close a table (one part each)
+                tables.append(pa.table(out, schema=self.part_schema))
+                out, nbytes = self._empty_part(), 0
         if out["sample_id"]:
-            files.append(self._write(out, stats))
-        return pa.table({
-            "file": [",".join(files)], "samples": [stats["samples"]], "tokens": [stats["tokens"]],
-            "loss_tokens": [stats["loss_tokens"]], "skipped": [json.dumps(dict(skipped))],
-            "seconds": [time.perf_counter() - t0], "init_s": [self._take_init_s()],
-            "regen_tokens": [regen_tokens], "regen_s": [regen_s],
-        }, schema=SUMMARY_SCHEMA)
+            tables.append(pa.table(out, schema=self.part_schema))
+        return tables, skipped, regen_tokens, regen_s
 
-    @staticmethod
-    def _empty_part() -> dict:
-        return {k: [] for k in schema.SCHEMA.names}
+    def _empty_table(self) -> pa.Table:
+        return self.part_schema.empty_table()
 
-    def _write(self, out: dict, stats: collections.Counter) -> str:
+    def _empty_part(self) -> dict:
+        return {k: [] for k in self.part_schema.names}
+
+    def _write_table(self, table: pa.Table) -> str:
         """Write one part. Parts split a batch in a deterministic order (length-sorted), so a
         retried batch rewrites the same files."""
-        stats["samples"] += len(out["sample_id"])
-        stats["tokens"] += sum(out["num_tokens"])
-        stats["loss_tokens"] += sum(sum(m) for m in out["loss_mask"])
-        return schema.write_part(self.fs, self.root, pa.table(out, schema=schema.SCHEMA), self.facts)
+        return schema.write_part(self.fs, self.root, table, self.facts)
 
     def _take_init_s(self) -> float:
         init_s, self.init_s = self.init_s, 0.0
@@ -346,10 +424,11 @@ def existing_parts(fs, root: str, facts: dict) -> dict[str, str]:
 
 
 def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
-             run: dict) -> dict:
+             run: dict, extra_summary: dict | None = None) -> dict:
     """Scan the parts (footers + small columns), verify uniqueness, write manifest.json."""
     fs, root = schema.resolve_fs(cfg.output)
     files, seen, tokens, loss_tokens, nbytes, target_ids = [], set(), 0, 0, 0, True
+    hidden_disk = 0   # compressed bytes of the hidden-state columns (scales included)
     for path in schema.list_parts(fs, root):
         p = schema.part_stats(fs, path)
         ids = p["sample_ids"]
@@ -361,6 +440,7 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
                       "bytes": p["bytes"]})
         tokens, loss_tokens = tokens + p["tokens"], loss_tokens + p["loss_tokens"]
         nbytes += p["bytes"]
+        hidden_disk += p["hidden_bytes"]
         target_ids = target_ids and p["target_ids"]
     if cfg.regenerate:  # generated tokens over the actors' time inside regeneration
         run = {**run, "regen_tokens_per_s": run["regen_tokens"] / max(run["regen_s"], 1e-9)}
@@ -371,13 +451,20 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
         "skipped": dict(sorted(skipped.items())),
         "bytes": nbytes, "bytes_per_token": nbytes / max(1, tokens),
         "target_ids": target_ids and bool(files),   # every part stores the verifier's argmax
-        "hidden_bytes_per_token": 8 * facts["hidden_size"],
+        "hidden_storage": facts["hidden_storage"],
+        # the storage's floor (bf16: 8·H, fp8_e4m3: 4·H + 16), the bf16 floor, and on disk
+        "hidden_bytes_per_token": schema.hidden_bytes_per_token(facts["hidden_size"],
+                                                                facts["hidden_storage"]),
+        "bf16_hidden_bytes_per_token": 8 * facts["hidden_size"],
+        "hidden_disk_bytes_per_token": hidden_disk / max(1, tokens),
         "this_run": {k: run[k] for k in ("samples", "tokens", "wall_s", "tokens_per_s",
                                          "resumed_samples", "actor_init_s", "actor_batch_s",
                                          "regen_tokens", "regen_s", "regen_tokens_per_s")
                      if k in run},
+        **(extra_summary or {}),
     }
-    manifest = {"format": schema.FORMAT, "format_version": schema.FORMAT_VERSION,
+    manifest = {"format": schema.FORMAT,
+                "format_version": schema.format_version(facts["hidden_storage"]),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "facts": facts, "config": asdict(cfg), "summary": summary, "files": files}
     schema.write_manifest(cfg.output, manifest)
@@ -389,6 +476,7 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
     first, then connects to Ray at `address` / $RAY_ADDRESS or starts a local one."""
     from eagle3_ray.launch import init_ray
     data.expand_inputs(cfg.inputs), verifier.resolve(cfg.verifier)  # fail fast, before Ray
+    schema.check_storage(cfg.hidden_storage)
     cfg = replace(cfg, output=schema.absolute(cfg.output),
                   verifier=verifier.absolute_spec(cfg.verifier))
     init_ray(address)
@@ -428,18 +516,30 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
 
 
 def build_pipeline(cfg: ExtractConfig, facts: dict, todo: list[tuple[str, str]]):
-    """The Ray Data plan: input blocks -> Tokenize actors -> VerifierExtractor actors."""
+    """The offline Ray Data plan: input blocks -> Tokenize actors -> VerifierExtractor actors."""
     import ray
     blocks = [pa.table({"sample_id": [s for s, _ in todo[i:i + cfg.batch_rows]],
                         "messages_json": [m for _, m in todo[i:i + cfg.batch_rows]]})
               for i in range(0, len(todo), cfg.batch_rows)]
-    ds = ray.data.from_arrow(blocks)
-    if not cfg.regenerate:  # with regeneration the extractor tokenizes what it generated
-        ds = ds.map_batches(Tokenize, fn_constructor_args=(cfg.verifier, cfg.max_length),
-                            batch_size=cfg.batch_rows, batch_format="pyarrow",
-                            compute=ray.data.ActorPoolStrategy(min_size=1,
-                                                               max_size=cfg.tokenizer_actors),
-                            num_cpus=0.5)
+    return extraction_stages(ray.data.from_arrow(blocks), cfg, facts)
+
+
+def tokenize_stage(ds, cfg: ExtractConfig):
+    """(sample_id, messages_json) rows -> + input_ids, loss_mask, skip_reason (Tokenize actors)."""
+    import ray
+    return ds.map_batches(Tokenize, fn_constructor_args=(cfg.verifier, cfg.max_length),
+                          batch_size=cfg.batch_rows, batch_format="pyarrow",
+                          compute=ray.data.ActorPoolStrategy(min_size=1,
+                                                             max_size=cfg.tokenizer_actors),
+                          num_cpus=TOKENIZE_CPUS)
+
+
+def extraction_stages(ds, cfg: ExtractConfig, facts: dict):
+    """(sample_id, messages_json) rows -> [Tokenize actors] -> VerifierExtractor actors, one
+    verifier replica each: summaries (emit="parts") or hidden-state rows (emit="rows")."""
+    import ray
+    if not tokenizes_in_extractor(cfg):
+        ds = tokenize_stage(ds, cfg)
     gpu = cfg.gpus_per_replica > 0
     return ds.map_batches(
         VerifierExtractor, fn_constructor_args=(cfg, facts), batch_size=cfg.batch_rows,
@@ -453,8 +553,11 @@ def print_summary(output: str, manifest: dict) -> None:
     s = manifest["summary"]
     print(f"[extract] dataset {output}: {s['samples']} samples, {s['tokens']} tokens "
           f"({s['loss_tokens']} assistant), {s['bytes'] / 2**20:.1f} MiB = "
-          f"{s['bytes_per_token']:.0f} B/token on disk (bf16 floor 8·H = "
-          f"{s['hidden_bytes_per_token']} B/token)")
+          f"{s['bytes_per_token']:.0f} B/token on disk, hidden states "
+          f"{s.get('hidden_disk_bytes_per_token', 0):.0f} of them ("
+          + (f"fp8_e4m3 floor 4·H+16 = {s['hidden_bytes_per_token']} B/token; "
+             if s.get("hidden_storage") == "fp8_e4m3" else "")
+          + f"bf16 floor 8·H = {s.get('bf16_hidden_bytes_per_token', s['hidden_bytes_per_token'])})")
     r = s["this_run"]
     print(f"[extract] this run: {r['samples']} samples, {r['tokens']} tokens in {r['wall_s']:.1f}s "
           f"= {r['tokens_per_s']:.0f} tokens/s; resumed past {r['resumed_samples']}; "

@@ -173,12 +173,10 @@ def compare(name: str, arms: dict[str, dict], conversations: int = 1200, max_len
 
 
 def host_flags() -> list[str]:
-    """bench.cpu_facts as a short label: the CPU flags that decide the fast paths here
-    (avx2, avx512f, avx512_bf16, amx) and the variables that cap them."""
-    from eagle3_ray.bench import cpu_facts
-    facts = cpu_facts()
-    return [k for k in ("avx2", "avx512f", "avx512_bf16", "amx") if facts[k]] + \
-        [f"{k}={v}" for k, v in facts["env"].items()]
+    """bench.host_flags: the CPU flags that decide the fast paths here and the variables that
+    cap them, as a short label."""
+    from eagle3_ray import bench
+    return bench.host_flags()
 
 
 def quality_arms(ttt_list=(1, 4, 8), **recipe) -> dict[str, dict]:

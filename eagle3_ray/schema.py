@@ -1,4 +1,4 @@
-"""The hidden-state dataset contract: Parquet columns, bf16 encoding, manifest, compatibility checks.
+"""The hidden-state dataset contract: Parquet columns, bf16/fp8 encoding, manifest, compatibility checks.
 
 A dataset is a directory (local path or any URI pyarrow's filesystems take) holding
 `part-<hash>.parquet` files and a `manifest.json`. One row per sample:
@@ -7,17 +7,30 @@ A dataset is a directory (local path or any URI pyarrow's filesystems take) hold
     input_ids          list<int32>     [S] tokens of the chat-templated conversation
     loss_mask          list<uint8>     [S] 1 exactly on assistant-content tokens
     num_tokens         int32           S
-    aux_hidden_states  large_binary    bf16 [S, 3, H], token-major: inputs of the 3 aux layers
-    last_hidden_states large_binary    bf16 [S, H]: output of the last decoder layer, *before*
+    aux_hidden_states  large_binary    [S, 3, H], token-major: inputs of the 3 aux layers
+    last_hidden_states large_binary    [S, H]: output of the last decoder layer, *before*
                                         the final norm; the teacher is lm_head(norm(h))
     target_ids         list<int32>     [S] the verifier's greedy next token at each position
                                         (full-vocab argmax; format 2, absent in format 1)
+    aux_hidden_scales  large_binary    float32 [S, 3]: fp8 storage only (format 3), one scale
+    last_hidden_scales large_binary    float32 [S]     per H-vector (token x slot)
 
-That is 8·H bytes per token of hidden states, the floor for lossless bf16, in plain Arrow types
-any Parquet reader understands; target_ids adds 4 and spares the trainer the full-vocab lm_head
-(its teacher then needs only the draft-vocab rows). Dataset-level facts (verifier, layer ids and
-their convention, dtype, chat template hash, ...) sit in each file's key-value metadata under
-b"eagle3_ray" and in manifest.json, which also holds the extraction summary.
+The hidden-state storage (a dataset fact, `hidden_storage`; absent = "bf16"):
+  bf16      the two state columns hold raw little-endian bf16: 8·H bytes per token for the 4
+            slots, the floor for lossless bf16.
+  fp8_e4m3  they hold float8_e4m3fn bytes of x / scale, scale = amax(|x|) / 448 per H-vector
+            (1 for an all-zero one), and the scale columns hold the scales: 4·H + 16 bytes
+            per token (0.50 of bf16 at H=576). Relative error per element <= 2^-4 (e4m3's 3
+            mantissa bits), at most scale·2^-10 absolute for the tiniest (e4m3 subnormal) ones;
+            zeros stay zero. Format version 3; a reader older than that refuses the dataset.
+decode_row tells the two apart by the scale columns and returns bf16 tensors either way, so
+every reader (train.collate, evaluate_drafter, ...) sees the same batch.
+
+All plain Arrow types any Parquet reader understands; target_ids adds 4 bytes per token and
+spares the trainer the full-vocab lm_head (its teacher then needs only the draft-vocab rows).
+Dataset-level facts (verifier, layer ids and their convention, dtype, hidden storage, chat
+template hash, ...) sit in each file's key-value metadata under b"eagle3_ray" and in
+manifest.json, which also holds the extraction summary.
 
     python -c "import eagle3_ray.schema as s; print(s.read_manifest('runs/demo/data')['summary'])"
 """
@@ -35,7 +48,8 @@ import pyarrow.parquet as pq
 import torch
 
 FORMAT = "eagle3_ray.hidden_states"
-FORMAT_VERSION = 2                # 2 added target_ids; format 1 datasets still train
+FORMAT_VERSION = 3                # the newest this code reads: 2 added target_ids (format 1
+                                  # datasets still train), 3 the fp8 hidden-state storage
 METADATA_KEY = b"eagle3_ray"
 MANIFEST = "manifest.json"
 # vLLM convention: aux layer id i is the hidden state at the *input* of decoder layer i
@@ -51,11 +65,20 @@ SCHEMA = pa.schema([
     ("last_hidden_states", pa.large_binary()),
     ("target_ids", pa.list_(pa.int32())),
 ])
+# Hidden-state storages (the dataset fact "hidden_storage"); fp8 parts carry two more columns.
+HIDDEN_STORAGES = ("bf16", "fp8_e4m3")
+SCALE_COLUMNS = {"aux_hidden_states": "aux_hidden_scales",
+                 "last_hidden_states": "last_hidden_scales"}
+SCHEMA_FP8 = pa.schema(list(SCHEMA) + [pa.field(c, pa.large_binary())
+                                       for c in SCALE_COLUMNS.values()])
+FP8_MAX = 448.0                   # largest finite float8_e4m3fn
 
 # Facts that must agree between every file of a dataset and between a dataset and its verifier.
 IDENTITY_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "aux_layer_ids",
                    "layer_id_convention", "dtype", "chat_template_hash", "tokenizer_hash",
-                   "max_length", "regenerate")
+                   "max_length", "regenerate", "hidden_storage")
+# What a fact missing from an older dataset's metadata means.
+FACT_DEFAULTS = {"hidden_storage": "bf16"}
 
 
 class DatasetMismatch(ValueError):
@@ -77,18 +100,85 @@ def decode_bf16(buf: bytes, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(arr).view(torch.bfloat16).reshape(shape)
 
 
+def check_storage(storage: str) -> str:
+    if storage not in HIDDEN_STORAGES:
+        raise ValueError(f"hidden storage must be one of {HIDDEN_STORAGES}, got {storage!r}")
+    return storage
+
+
+def schema_for(storage: str) -> pa.Schema:
+    """The Parquet schema of a part holding hidden states in `storage`."""
+    return SCHEMA_FP8 if check_storage(storage) == "fp8_e4m3" else SCHEMA
+
+
+def format_version(storage: str) -> int:
+    """The oldest format that describes a dataset in `storage`: bf16 datasets stay format 2,
+    which every earlier reader with target_ids support reads; fp8 needs 3, so an older reader
+    refuses it at the manifest instead of misreading fp8 bytes as bf16."""
+    return 3 if check_storage(storage) == "fp8_e4m3" else 2
+
+
+def hidden_bytes_per_token(hidden_size: int, storage: str) -> int:
+    """Bytes of hidden states per token before compression: the storage's floor."""
+    return 8 * hidden_size if check_storage(storage) == "bf16" else 4 * hidden_size + 16
+
+
+def encode_hidden(t: torch.Tensor, storage: str) -> tuple[bytes, bytes | None]:
+    """[..., H] float tensor -> (state bytes, scale bytes or None). bf16: raw bf16, no scales.
+    fp8_e4m3: float8_e4m3fn bytes of x / scale and one float32 scale per H-vector (per token
+    per slot), scale = amax(|x|) / 448, 1 where the vector is all zero."""
+    if check_storage(storage) == "bf16":
+        return encode_bf16(t), None
+    x = t.detach().to("cpu", torch.float32)                                   # [..., H]
+    amax = x.abs().amax(dim=-1, keepdim=True)                                 # [..., 1]
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("hidden state with inf/nan values cannot be stored as fp8_e4m3 "
+                         "(use --hidden-storage bf16, or a verifier dtype that does not overflow)")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))      # [..., 1]
+    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)          # [..., H]
+    return (q.contiguous().view(torch.uint8).numpy().tobytes(),
+            scale.squeeze(-1).contiguous().numpy().astype("<f4").tobytes())     # [...] f32
+
+
+def decode_fp8(buf: bytes, scales: bytes, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp8 bytes + float32 scales (one per vector along the last dim) -> bf16 tensor of
+    `shape` (x = q * scale, computed in float32)."""
+    q = np.frombuffer(buf, dtype=np.uint8)
+    sc = np.frombuffer(scales, dtype="<f4")
+    if q.size != int(np.prod(shape)) or sc.size != int(np.prod(shape[:-1])):
+        raise ValueError(f"fp8 hidden-state blob holds {q.size} values and {sc.size} scales, "
+                         f"expected shape {shape}")
+    x = torch.from_numpy(q.copy()).view(torch.float8_e4m3fn).reshape(shape).float()
+    return (x * torch.from_numpy(sc.copy()).reshape(*shape[:-1], 1)).to(torch.bfloat16)
+
+
+def decode_hidden(row: dict, column: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One hidden-state column of a row -> bf16 tensor; fp8 when the row has its scales."""
+    scales = row.get(SCALE_COLUMNS[column])
+    if scales is not None:
+        return decode_fp8(row[column], scales, shape)
+    return decode_bf16(row[column], shape)
+
+
 def decode_row(row: dict, hidden_size: int) -> dict[str, torch.Tensor]:
-    """One dataset row (as from pyarrow to_pylist / Ray Data) -> tensors for training."""
+    """One dataset row (as from pyarrow to_pylist / Ray Data) -> tensors for training. The
+    hidden states come back bf16 whatever the storage (fp8 rows carry the scale columns)."""
     s = int(row["num_tokens"])
     out = {
         "input_ids": torch.as_tensor(np.asarray(row["input_ids"], dtype=np.int64)),     # [S]
         "loss_mask": torch.as_tensor(np.asarray(row["loss_mask"], dtype=np.uint8)),     # [S]
-        "aux_hidden_states": decode_bf16(row["aux_hidden_states"], (s, 3, hidden_size)),  # [S,3,H]
-        "last_hidden_states": decode_bf16(row["last_hidden_states"], (s, hidden_size)),  # [S, H]
-    }
+        "aux_hidden_states": decode_hidden(row, "aux_hidden_states", (s, 3, hidden_size)),
+        "last_hidden_states": decode_hidden(row, "last_hidden_states", (s, hidden_size)),
+    }                                                                 # [S, 3, H], [S, H] bf16
     if row.get("target_ids") is not None:                                       # format >= 2
         out["target_ids"] = torch.as_tensor(np.asarray(row["target_ids"], dtype=np.int64))  # [S]
     return out
+
+
+def hidden_columns(names) -> list[str]:
+    """The hidden-state columns (states + scales, when present) among `names`."""
+    return [c for c in ("aux_hidden_states", "last_hidden_states", *SCALE_COLUMNS.values())
+            if c in names]
 
 
 # --- filesystem helpers ---------------------------------------------------------------------
@@ -119,7 +209,11 @@ def write_part(fs: pafs.FileSystem, directory: str, table: pa.Table, facts: dict
     batch overwrites its own file instead of duplicating samples. Returns the file name."""
     ids = sorted(table.column("sample_id").to_pylist())
     name = "part-" + hashlib.sha1("\n".join(ids).encode()).hexdigest()[:20] + ".parquet"
-    table = table.cast(SCHEMA).replace_schema_metadata({METADATA_KEY: json.dumps(facts)})
+    target = schema_for(facts.get("hidden_storage", "bf16"))   # fp8: + the scale columns
+    if target.names != table.column_names:
+        raise ValueError(f"{directory}/{name}: columns {table.column_names} do not fit the "
+                         f"{facts.get('hidden_storage', 'bf16')} schema {target.names}")
+    table = table.cast(target).replace_schema_metadata({METADATA_KEY: json.dumps(facts)})
     row_bytes = max(1, table.nbytes // max(1, table.num_rows))
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd",
@@ -166,23 +260,35 @@ def read_column(fs: pafs.FileSystem, path: str, column: str) -> list:
 
 
 def part_stats(fs: pafs.FileSystem, path: str) -> dict:
-    """sample ids, token and loss-token counts, size, and whether it stores target_ids (format
-    >= 2) of one part, hidden states unread."""
+    """sample ids, token and loss-token counts, size, the compressed bytes of its hidden-state
+    columns (scales included) and whether it stores target_ids (format >= 2) of one part,
+    hidden states unread."""
     import pyarrow.compute as pc
     with fs.open_input_file(path) as f:
         part = pq.ParquetFile(f)
         t = part.read(columns=["sample_id", "num_tokens", "loss_mask"])
         names = part.schema_arrow.names
+        md, hidden = part.metadata, set(hidden_columns(names))
+        hidden_bytes = sum(md.row_group(g).column(c).total_compressed_size
+                           for g in range(md.num_row_groups) for c in range(md.num_columns)
+                           if md.row_group(g).column(c).path_in_schema in hidden)
     return {"sample_ids": t.column("sample_id").to_pylist(),
             "tokens": int(pc.sum(t.column("num_tokens")).as_py() or 0),
             "loss_tokens": int(pc.sum(pc.list_flatten(t.column("loss_mask"))).as_py() or 0),
-            "bytes": fs.get_file_info(path).size, "target_ids": "target_ids" in names}
+            "bytes": fs.get_file_info(path).size, "hidden_bytes": hidden_bytes,
+            "target_ids": "target_ids" in names}
 
 
 # --- manifest and checks --------------------------------------------------------------------
 
 def manifest_path(uri: str) -> str:
     return uri.rstrip("/") + "/" + MANIFEST
+
+
+def hidden_storage(manifest_or_facts: dict) -> str:
+    """A dataset's hidden-state storage ("bf16" for datasets from before the fact existed)."""
+    facts = manifest_or_facts.get("facts", manifest_or_facts)
+    return facts.get("hidden_storage", FACT_DEFAULTS["hidden_storage"])
 
 
 def stores_target_ids(manifest: dict) -> bool:
@@ -216,9 +322,13 @@ def read_manifest(uri: str) -> dict:
 
 
 def diff_facts(found: dict, expected: dict, fields=IDENTITY_FIELDS) -> list[str]:
-    """Human-readable differences between two fact dicts on the identity fields."""
-    return [f"{k}: dataset has {found.get(k)!r}, expected {expected.get(k)!r}"
-            for k in fields if k in expected and found.get(k) != expected.get(k)]
+    """Human-readable differences between two fact dicts on the identity fields (a fact an
+    older dataset lacks counts as its FACT_DEFAULTS value)."""
+    def get(facts, k):
+        return facts.get(k, FACT_DEFAULTS.get(k))
+    return [f"{k}: dataset has {get(found, k)!r}, expected {get(expected, k)!r}"
+            for k in fields if (k in expected or k in FACT_DEFAULTS)
+            and get(found, k) != get(expected, k)]
 
 
 def check_compatible(manifest_or_facts: dict, expected: dict, where: str,

@@ -143,8 +143,8 @@ def depth_at(cfg: TrainConfig, step: int, train_s: float) -> int:
 
 # --- driver-side preparation ------------------------------------------------------------------
 
-def prepare(cfg: TrainConfig) -> dict:
-    """Check the dataset against the verifier, build (or reuse) the draft vocabulary."""
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse out-of-range settings before anything starts."""
     if not 1 <= cfg.ttt_steps <= 32:
         raise ValueError(f"ttt_steps must be in 1..32, got {cfg.ttt_steps}")
     for name in ("max_steps", "batch_size", "draft_vocab_size", "log_every", "checkpoint_every",
@@ -159,12 +159,24 @@ def prepare(cfg: TrainConfig) -> dict:
         raise ValueError(f"deep_fraction must be in (0, 1], got {cfg.deep_fraction}")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
+
+
+def prepare(cfg: TrainConfig) -> dict:
+    """Check the dataset against the verifier, build (or reuse) the draft vocabulary."""
+    check_config(cfg)
     manifest = schema.read_manifest(cfg.dataset)
-    facts = manifest["facts"]
     config, tok = verifier.load_config(cfg.verifier), verifier.load_tokenizer(cfg.verifier)
-    expected = verifier.verifier_facts(cfg.verifier, config, tok, facts["aux_layer_ids"])
+    expected = verifier.verifier_facts(cfg.verifier, config, tok, manifest["facts"]["aux_layer_ids"])
     schema.check_compatible(manifest, expected, where=schema.manifest_path(cfg.dataset),
                             fields=VERIFIER_FIELDS)
+    return make_setup(cfg, manifest, lambda: vocab.count_tokens(cfg.dataset, config.vocab_size))
+
+
+def make_setup(cfg: TrainConfig, manifest: dict, count_tokens) -> dict:
+    """What every worker needs: the dataset facts, the draft config and the draft vocabulary
+    (built from count_tokens() -> int64 [V] on the first run, read back from the run dir on
+    a resume)."""
+    config = verifier.load_config(cfg.verifier)
     fs, root = schema.resolve_fs(cfg.output)
     fs.create_dir(root, recursive=True)
     vocab_path = f"{root}/vocab.json"
@@ -176,12 +188,13 @@ def prepare(cfg: TrainConfig) -> dict:
                              f"{saved['draft_vocab_size']}; use a new --output to change it")
         d2t = np.asarray(saved["d2t"], dtype=np.int64)
     else:
-        counts = vocab.count_tokens(cfg.dataset, config.vocab_size)
+        counts = count_tokens()
         d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, config.vocab_size))
         schema.write_bytes_atomic(fs, vocab_path, json.dumps(
             {"draft_vocab_size": len(d2t), "d2t": d2t.tolist(),
              "coverage": vocab.coverage(counts, t2d)}).encode())
-    dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t), facts["aux_layer_ids"])
+    dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
+                                                  manifest["facts"]["aux_layer_ids"])
     return {"manifest": manifest, "draft_config": dcfg.to_dict(), "d2t": d2t.tolist(),
             "manifest_hash": checkpoint.manifest_hash(manifest)}
 
@@ -198,8 +211,8 @@ def mapping_from_d2t(d2t: list[int], vocab_size: int) -> tuple[torch.Tensor, tor
 def collate(batch: pa.Table, hidden: int, max_len: int) -> dict[str, torch.Tensor]:
     """Arrow rows -> right-padded tensors; hidden states stay bf16 until the model casts."""
     greedy = "target_ids" in batch.column_names                   # format 2 datasets
-    rows = batch.select(["input_ids", "loss_mask", "num_tokens", "aux_hidden_states",
-                         "last_hidden_states"] + ["target_ids"] * greedy).to_pylist()
+    rows = batch.select(["input_ids", "loss_mask", "num_tokens"] + ["target_ids"] * greedy
+                        + schema.hidden_columns(batch.column_names)).to_pylist()  # fp8: +scales
     n = min(max_len, max(r["num_tokens"] for r in rows))
     b = len(rows)
     out = {"input_ids": torch.zeros(b, n, dtype=torch.long),              # [B, S]
@@ -298,6 +311,8 @@ def train_loop_per_worker(loop: dict) -> None:
         if rank == 0:
             print(f"[train] resumed at step {state['step']} (epoch {state['epoch']}, "
                   f"{len(state['seen'])} samples of it done)")
+    # samples that reached the loop this epoch (repeats counted), and one record per epoch
+    state.setdefault("consumed", 0), state.setdefault("epochs", [])
     if rank == 0:
         write_metrics(cfg.output, state["history"])  # rewind the log to the checkpoint
 
@@ -307,18 +322,25 @@ def train_loop_per_worker(loop: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     budget_s = 60 * cfg.max_minutes if cfg.max_minutes else math.inf
     out_of_time, t_step = False, time.monotonic()
+    # online: data wait, samples and tokens since the last report, and when that was
+    wait = {"s": 0.0, "tokens": 0, "samples": 0, "since": time.monotonic()}
     while state["step"] < cfg.max_steps and state["epoch"] < cfg.max_epochs and not out_of_time:
+        if setup.get("skip_file"):  # online: the pipeline drops what this epoch already saw
+            _publish_skip(cfg, setup, rank, state["epoch"], seen)
         it = iter(shard.iter_batches(batch_size=cfg.batch_size, batch_format="pyarrow",
                                      prefetch_batches=2))
         steps_before = state["step"]
         while state["step"] < cfg.max_steps:
+            t_wait = time.monotonic()
             batch = _next_unseen(it, seen)
+            wait["s"] += time.monotonic() - t_wait
             # every worker agrees to go on, or all stop: a dry shard ends the epoch for all
             go, out_of_time, state["train_s"] = _all_agree(batch is not None, state["train_s"],
                                                            budget_s, device)
             if not go:
                 break
             ids = batch.column("sample_id").to_pylist()
+            wait["samples"] += len(ids)
             b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
             _maybe_die(cfg, rank, state["step"] + 1)
             lr = lr_at(cfg, state["step"], state["train_s"])
@@ -336,18 +358,23 @@ def train_loop_per_worker(loop: dict) -> None:
             now = time.monotonic()
             state["train_s"] += now - t_step  # training time (data wait included, evals not)
             t_step = now
-            seen.update(_all_gather_ids(ids, world))
+            gathered = _all_gather_ids(ids, world)
+            seen.update(gathered)
+            state["consumed"] += len(gathered)
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
+            wait["tokens"] += int(b["attention_mask"].sum())
             step = state["step"]
             if step < cfg.max_steps and (step % cfg.log_every == 0
                                          or step % cfg.checkpoint_every == 0):
                 with_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0
+                _report_online(setup, wait)
                 t_last = _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain,
                                      opt, teacher, hidden, device, eval_sums, with_eval,
                                      with_checkpoint=step % cfg.checkpoint_every == 0)
                 t_step = time.monotonic()
-        else:
-            break  # max_steps reached mid-epoch
+        else:  # max_steps reached, mid-epoch or on its last batch
+            if not (setup.get("cache") and state["epoch"] == 0 and _all_dry(it, seen, device)):
+                break
         if out_of_time:
             break
         # A resumed epoch skips the samples its checkpoint saw; the rows the workers get after a
@@ -356,10 +383,15 @@ def train_loop_per_worker(loop: dict) -> None:
         if state["step"] == steps_before and not seen:
             raise ValueError(f"{cfg.dataset}: no training samples reached the workers "
                              "(empty dataset or eval_fraction too large)")
+        state["epochs"].append({"epoch": state["epoch"], "samples": state["consumed"],
+                                "unique": len(seen)})  # samples == unique: none repeated
         state["epoch"] += 1
+        state["consumed"] = 0
         seen.clear()
     last = state["history"][-1] if state["history"] else {}
-    if last.get("step") != state["step"] or "eval/loss" not in last:  # final: eval + checkpoint
+    _report_online(setup, wait)
+    if (last.get("step") != state["step"] or "eval/loss" not in last
+            or last.get("epoch") != state["epoch"]):  # final: eval + checkpoint (epoch ends too)
         _report_now(cfg, rank, state, seen, sums, t_last, lr_at(cfg, state["step"], state["train_s"]),
                     model, plain, opt, teacher, hidden, device, eval_sums, with_eval=True,
                     with_checkpoint=True)
@@ -439,12 +471,23 @@ def report(cfg, rank, state, metrics, model, opt, with_checkpoint: bool):
         write_metrics(cfg.output, state["history"])
     weights, opt_state = full_state(model, opt) if with_checkpoint else ({}, {})
     if with_checkpoint and rank == 0:
+        name = checkpoint_name(state)
         with tempfile.TemporaryDirectory() as d:
             save_train_state(d, weights, opt_state, state)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
-                             checkpoint_dir_name=f"step_{state['step']:07d}")
+                             checkpoint_dir_name=name)
     else:
         ray.train.report(metrics)
+
+
+def checkpoint_name(state: dict) -> str:
+    """step_<step>; a second checkpoint of the same step (the end of an epoch whose last step
+    was checkpointed already) gets its own name: Ray Train deletes old ones by path."""
+    name = f"step_{state['step']:07d}"
+    if (state.get("last_checkpoint") or [None])[0] == state["step"]:
+        name += f"-epoch{state['epoch']}"
+    state["last_checkpoint"] = [state["step"], state["epoch"]]
+    return name
 
 
 def save_train_state(d: str, weights: dict, opt_state: dict, state: dict) -> None:
@@ -567,6 +610,55 @@ def _next_unseen(it, seen: set):
     return None
 
 
+def _publish_skip(cfg: TrainConfig, setup: dict, rank: int, epoch: int, seen: set) -> None:
+    """Online: before an epoch's pipeline starts, rank 0 writes the ids its read tasks must drop
+    (online.read_conversations); every worker waits for it. Without a cache that is what this
+    epoch already consumed. With a cache (first epoch), cache parts holding any sample not
+    consumed are deleted and the ids of the parts kept are skipped: the rest is extracted
+    again, so the cache ends complete and without duplicates, and the trainer drops the
+    re-extracted samples it has already seen (_next_unseen)."""
+    if rank == 0:
+        skip = seen
+        if setup.get("cache") and epoch == 0:
+            skip = set()
+            fs, root = schema.resolve_fs(setup["cache"])
+            schema.remove_temp_files(fs, root)
+            for path in schema.list_parts(fs, root):
+                ids = schema.read_column(fs, path, "sample_id")
+                if all(s in seen or is_eval(s, cfg.eval_fraction) for s in ids):
+                    skip.update(s for s in ids if s in seen)
+                else:
+                    fs.delete_file(path)
+        fs, path = schema.resolve_fs(setup["skip_file"])
+        fs.create_dir(os.path.dirname(path), recursive=True)
+        schema.write_bytes_atomic(fs, path, json.dumps({"epoch": epoch,
+                                                        "skip": sorted(skip)}).encode())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _report_online(setup: dict, wait: dict) -> None:
+    """Online: this worker's consumed samples, tokens and data wait since the last call -> the
+    run's StatsActor (the throughput balance, online.balance)."""
+    if setup.get("stats_actor") and wait["samples"]:
+        import ray
+        from eagle3_ray.extract import STATS_NAMESPACE
+        ray.get_actor(setup["stats_actor"], namespace=STATS_NAMESPACE).add.remote(
+            "train", samples=wait["samples"], tokens=wait["tokens"], wait_s=wait["s"],
+            seconds=time.monotonic() - wait["since"])
+    wait.update(s=0.0, tokens=0, samples=0, since=time.monotonic())
+
+
+def _all_dry(it, seen: set, device) -> bool:
+    """Whether every worker's shard is used up (pulls one more batch, not trained on). An
+    online cache is finished only by a whole first epoch: a run whose last step takes the
+    epoch's last batch must say so."""
+    t = torch.tensor([0.0 if _next_unseen(it, seen) is None else 1.0], device=device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t[0]) == 0
+
+
 def _all_agree(have_batch: bool, train_s: float, budget_s: float, device):
     """-> (all workers have a batch and time left, some worker ran out of time, the slowest
     worker's training time). Every worker then uses that one clock for the lr and the TTT depth,
@@ -647,8 +739,6 @@ def worker_resources(cfg: TrainConfig) -> dict:
 def run_train(cfg: TrainConfig, address: str | None = None):
     """Check, then fit (or resume) on Ray Train. Returns the Ray Train Result."""
     import ray
-    import ray.train
-    from ray.train.torch import TorchTrainer
     from eagle3_ray.launch import init_ray
 
     cfg = replace(cfg, dataset=schema.absolute(cfg.dataset), output=schema.absolute(cfg.output),
@@ -661,6 +751,14 @@ def run_train(cfg: TrainConfig, address: str | None = None):
     split = dict(fn=_split, batch_format="pyarrow", batch_size=None)
     train_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, False))
     eval_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, True))
+    return fit(cfg, setup, {"train": train_ds, "eval": eval_ds})
+
+
+def fit(cfg: TrainConfig, setup: dict, datasets: dict):
+    """TorchTrainer.fit on the prepared setup and the "train"/"eval" datasets (Parquet offline,
+    the extraction pipeline online); a rerun with the same output resumes."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": asdict(cfg), "setup": setup},
@@ -671,8 +769,14 @@ def run_train(cfg: TrainConfig, address: str | None = None):
             name="ray", storage_path=cfg.output,  # absolute path or URI
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)),
-        datasets={"train": train_ds, "eval": eval_ds},
+        datasets=datasets,
     )
     result = trainer.fit()
     print(f"[train] done: {cfg.output}/drafter")
     return result
+
+
+def result_state(result) -> dict:
+    """The loop state (step, epoch, history, ...) of a fit's last checkpoint."""
+    with result.checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+        return json.load(f)

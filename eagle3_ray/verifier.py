@@ -359,14 +359,20 @@ def make_batch_invariant(model) -> None:
 def forward_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids):
     """One forward -> aux [B, S, 3, H], last [B, S, H] (before the final norm), and the
     verifier's greedy next token at each position [B, S] (lm_head argmax, 4,096 rows at a
-    time, so no [B, S, V] logits are held)."""
+    time on GPUs, 256 on CPU, so no [B, S, V] logits are held).
+    CPU costs, measured on SmolLM2 (1 thread; docs/benchmarks.md#bench-extract): the argmax is
+    taken as max(-1).indices, the same index (the first of equal maxima, as argmax; checked bit
+    for bit on bf16 logits with ties), because argmax over bf16 logits runs a scalar loop ~4x
+    slower than max's vectorized one (~6% of a whole bf16 forward); 256-row chunks (25 MB of
+    bf16 logits) run the bf16 lm_head ~10% faster than 512-4096 rows and fp32 as fast."""
     with capture_hidden_states(model, layer_ids) as got:
         out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     aux = torch.stack([got["aux0"], got["aux1"], got["aux2"]], dim=2)  # [B, S, 3, H]
     normed = out.last_hidden_state                                     # [B, S, H]
     head = model.get_output_embeddings()
     flat = normed.reshape(-1, normed.shape[-1]).to(head.weight.device)
-    greedy = torch.cat([head(x).argmax(-1) for x in flat.split(4096)])  # [B*S]
+    rows = 4096 if flat.is_cuda else 256
+    greedy = torch.cat([head(x).max(-1).indices for x in flat.split(rows)])  # [B*S]
     return aux, got["last"], greedy.reshape(normed.shape[:-1])
 
 

@@ -16,8 +16,9 @@ from ray import serve as ray_serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from eagle3_ray import serve  # noqa: E402
+from eagle3_ray import online, serve  # noqa: E402
 from eagle3_ray.extract import ExtractConfig, run_extract  # noqa: E402
+from eagle3_ray.train import TrainConfig  # noqa: E402
 
 
 def free_port() -> int:
@@ -47,14 +48,24 @@ def main(spec: str, convs: str, out: str) -> None:
             verifier=spec, inputs=[convs], output=out, replicas=2, cpus_per_replica=1,
             node_resource="extract_node", max_length=64, batch_rows=2, torch_threads=1,
             fault_injection="sleep:0.5"))  # slow batches: both replicas get work
+        # online training: verifier replicas on the extract nodes, the trainer on the pcie node
+        online.run_online(
+            TrainConfig(dataset="", output=out + "-online", verifier=spec, max_steps=2,
+                        batch_size=2, num_workers=1, cpus_per_worker=1, ttt_steps=1,
+                        draft_vocab_size=1024, eval_every=0, node_resource="pcie_node"),
+            ExtractConfig(verifier=spec, inputs=[convs], replicas=1, cpus_per_replica=1,
+                          node_resource="extract_node", max_length=64, batch_rows=2,
+                          torch_threads=1))
         actors = list_actors(address=f"http://127.0.0.1:{dashboard}", detail=True, limit=10_000)
         replicas = sorted({a.node_id for a in actors
                            if a.class_name.startswith("ServeReplica:") and a.state == "ALIVE"})
         extractors = sorted({a.node_id for a in actors
                              if "VerifierExtractor" in (a.repr_name or "")})
+        trainers = sorted({a.node_id for a in actors if a.class_name == "RayTrainWorker"})
         print("PLACEMENT " + json.dumps({
             "pcie_node": pcie.node_id, "extract_nodes": [n.node_id for n in extract_nodes],
             "serve_replica_nodes": replicas, "extractor_nodes": extractors,
+            "train_worker_nodes": trainers,
             "answer_tokens": answer["usage"]["completion_tokens"],
             "samples": manifest["summary"]["samples"],
             "actors": [(a.class_name, a.node_id, a.state) for a in actors

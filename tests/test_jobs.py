@@ -96,7 +96,8 @@ def test_serve_replica_lands_on_the_pcie_node_and_extraction_on_the_others(tiny_
                                                                             tmp_path):
     """A fresh driver process (tests/placement_driver.py) builds the simulated cluster: a head,
     two 2-CPU `extract_node` nodes, one 8-(fake)-GPU node carrying `pcie_node`; the verifier
-    replicas run on CPU (the fake GPUs are there for the placement only)."""
+    replicas run on CPU (the fake GPUs are there for the placement only). Then an online
+    training run places its verifier replica and its training worker independently."""
     convs = tmp_path / "convs.json"
     convs.write_text(json.dumps(make_conversations(12)))
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "placement_driver.py"),
@@ -110,4 +111,6 @@ def test_serve_replica_lands_on_the_pcie_node_and_extraction_on_the_others(tiny_
     assert got["answer_tokens"] > 0                              # it serves from there
     assert len(got["extractor_nodes"]) == 2, got                  # two replicas ...
     assert set(got["extractor_nodes"]) == set(got["extract_nodes"])   # ... one on each
+    # online training: its extractor on the extract nodes (above), its worker on the pcie node
+    assert got["train_worker_nodes"] == [got["pcie_node"]], got
     assert got["samples"] == 12
