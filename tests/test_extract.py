@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
@@ -191,3 +192,29 @@ def test_bad_input_paths_are_clear_errors(ray_cluster, tiny_verifier, conv_file,
     with pytest.raises(FileNotFoundError, match="config.json"):
         run_extract(config(str(tmp_path), conv_file, tmp_path / "o"))
     assert not (tmp_path / "o").exists()
+
+
+def test_extractor_tokenizes_raw_batches_as_the_tokenize_stage_does(tiny_verifier, conv_file,
+                                                                   tmp_path):
+    """CPU replicas get raw (sample_id, messages_json) batches and tokenize them themselves; GPU
+    replicas get them from the Tokenize actors: the same rows either way, bit for bit."""
+    import pyarrow as pa
+    from eagle3_ray import extract, verifier
+    cpu = config(tiny_verifier, conv_file, tmp_path / "o", dtype="float32")
+    assert extract.tokenizes_in_extractor(cpu)
+    assert not extract.tokenizes_in_extractor(replace(cpu, gpus_per_replica=1))
+    assert extract.tokenizes_in_extractor(replace(cpu, gpus_per_replica=1, tokenizer_actors=0))
+    assert extract.micro_batch_tokens(cpu) == 300        # the config's budget when set
+    assert extract.micro_batch_tokens(replace(cpu, token_budget=0)) == 2048
+    assert extract.micro_batch_tokens(replace(cpu, token_budget=0, gpus_per_replica=1)) == 16384
+
+    tok = verifier.load_tokenizer(tiny_verifier)
+    samples = list(data.iter_samples([conv_file]))[:8]
+    raw = pa.table({"sample_id": [s for s, _ in samples],
+                    "messages_json": [json.dumps(m) for _, m in samples]})
+    facts = extract.dataset_facts(cpu, verifier.load_config(tiny_verifier), tok)
+    actor = extract.VerifierExtractor(cpu, facts)
+    inline, skipped_inline, _, _ = actor._extract(raw)
+    staged, skipped_staged, _, _ = actor._extract(extract.Tokenize(tiny_verifier, 128)(raw))
+    assert skipped_inline == skipped_staged
+    assert pa.concat_tables(inline).equals(pa.concat_tables(staged))
