@@ -2,8 +2,9 @@
 
     driver: read the dataset manifest, refuse it if it does not match the verifier, build the
             draft vocabulary (token counts over loss-masked tokens), hold out an eval split
-    TorchTrainer workers (DDP over gloo/NCCL): stream their shard of the Parquet
-            dataset (Ray Data get_dataset_shard), TTT unroll (ttt.py), AdamW + warmup/cosine,
+    TorchTrainer workers (DDP over gloo/NCCL): read their equal share of the Parquet parts
+            (ParquetShard; online: the Ray Data pipeline's get_dataset_shard), TTT unroll
+            (ttt.py), AdamW + warmup/cosine,
             grad clipping, bf16 autocast (GPU, bf16 CPUs); report metrics every `log_every` steps,
             evaluate every `eval_every`, checkpoint every `checkpoint_every`
     rank 0 at the end: a self-describing drafter directory (checkpoint.py), metrics CSV/JSON, PNG
@@ -18,10 +19,12 @@ every step appears exactly once.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import csv
 import io
+import itertools
 import json
 import math
 import os
@@ -32,6 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 
 from eagle3_ray import checkpoint, draft, schema, ttt, verifier, vocab
@@ -235,6 +239,55 @@ def collate(batch: pa.Table, hidden: int, max_len: int) -> dict[str, torch.Tenso
     return out
 
 
+class ParquetShard:
+    """One worker's share of an on-disk dataset's train (or eval) split, read straight from the
+    Parquet parts: offline training's data path, with the `iter_batches` of a Ray Data shard.
+    The split's rows, in manifest order, are cut into `world` contiguous runs of equal length
+    (train: the last < world rows are left out, as Ray Data's equal streaming_split does), so a
+    worker decompresses only its own parts; the next part is read while this one is trained on.
+
+    Why not Ray Data here: while the trainers hold it back, the streaming executor of
+    streaming_split has no task to wait on and its scheduling loop spins (Ray 2.60,
+    StreamingExecutor._scheduling_loop_step): ~65% of a core in its SplitCoordinator, a third of
+    a 2-core host that the workers need (docs/benchmarks.md#bench-train). Online training keeps
+    Ray Data: there the pipeline (tokenize, verifier replicas) is the point."""
+
+    def __init__(self, uri: str, names: list[str], eval_fraction: float, want_eval: bool,
+                 rank: int, world: int):
+        self.fs, root = schema.resolve_fs(uri)
+        self.paths = [f"{root}/{name}" for name in names]
+        rows = [(i, j) for i, path in enumerate(self.paths)
+                for j, sid in enumerate(schema.read_column(self.fs, path, "sample_id"))
+                if is_eval(sid, eval_fraction) == want_eval]               # (part, row)
+        if want_eval:  # every row once, in near-equal runs
+            self.rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
+        else:          # equal runs: the workers step in lockstep
+            n = len(rows) // world
+            self.rows = rows[rank * n:(rank + 1) * n]
+
+    def _read(self, part: int, rows: list[int]) -> pa.Table:
+        with self.fs.open_input_file(self.paths[part]) as f:
+            return pq.read_table(f).take(pa.array(rows, pa.int64()))
+
+    def iter_batches(self, batch_size: int, batch_format: str = "pyarrow", **_):
+        """Arrow tables of `batch_size` rows (the last may be shorter)."""
+        assert batch_format == "pyarrow", batch_format
+        parts = [(part, [j for _, j in g]) for part, g in
+                 itertools.groupby(self.rows, key=lambda r: r[0])]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:   # pyarrow drops the GIL
+            ahead = pool.submit(self._read, *parts[0]) if parts else None
+            held = None
+            for k in range(len(parts)):
+                table, ahead = ahead.result(), (pool.submit(self._read, *parts[k + 1])
+                                                if k + 1 < len(parts) else None)
+                held = table if held is None else pa.concat_tables([held, table])
+                while held.num_rows >= batch_size:
+                    yield held.slice(0, batch_size)
+                    held = held.slice(batch_size)
+            if held is not None and held.num_rows:
+                yield held
+
+
 class MetricSums:
     """ttt.py's additive per-position sums (+ loss, batches, tokens), all-reduced across workers
     before reporting so ratios are never means of means."""
@@ -319,7 +372,8 @@ def train_loop_per_worker(loop: dict) -> None:
     hidden = dcfg.hidden_size
     sums, eval_sums = MetricSums(cfg.ttt_steps), MetricSums(cfg.ttt_steps)
     t_last, seen = time.perf_counter(), set(state["seen"])
-    shard = ray.train.get_dataset_shard("train")
+    shard = data_shard(setup, cfg, "train", rank, world)
+    eval_shard = data_shard(setup, cfg, "eval", rank, world)
     budget_s = 60 * cfg.max_minutes if cfg.max_minutes else math.inf
     out_of_time, t_step = False, time.monotonic()
     # online: data wait, samples and tokens since the last report, and when that was
@@ -369,8 +423,8 @@ def train_loop_per_worker(loop: dict) -> None:
                 with_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0
                 _report_online(setup, wait)
                 t_last = _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain,
-                                     opt, teacher, hidden, device, eval_sums, with_eval,
-                                     with_checkpoint=step % cfg.checkpoint_every == 0)
+                                     opt, teacher, hidden, device, eval_sums, eval_shard,
+                                     with_eval, with_checkpoint=step % cfg.checkpoint_every == 0)
                 t_step = time.monotonic()
         else:  # max_steps reached, mid-epoch or on its last batch
             if not (setup.get("cache") and state["epoch"] == 0 and _all_dry(it, seen, device)):
@@ -393,8 +447,8 @@ def train_loop_per_worker(loop: dict) -> None:
     if (last.get("step") != state["step"] or "eval/loss" not in last
             or last.get("epoch") != state["epoch"]):  # final: eval + checkpoint (epoch ends too)
         _report_now(cfg, rank, state, seen, sums, t_last, lr_at(cfg, state["step"], state["train_s"]),
-                    model, plain, opt, teacher, hidden, device, eval_sums, with_eval=True,
-                    with_checkpoint=True)
+                    model, plain, opt, teacher, hidden, device, eval_sums, eval_shard,
+                    with_eval=True, with_checkpoint=True)
     weights = full_state(model)[0]                 # collective under FSDP
     if rank == 0:
         finish(cfg, setup, weights, state)
@@ -427,7 +481,7 @@ def full_state(model, opt=None, everywhere: bool = False) -> tuple[dict, dict]:
 
 
 def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opt, teacher, hidden,
-                device, eval_sums, with_eval: bool, with_checkpoint: bool) -> float:
+                device, eval_sums, eval_shard, with_eval: bool, with_checkpoint: bool) -> float:
     """All-reduce the metrics since the last report, maybe evaluate, report (+ checkpoint)."""
     t = sums.reduce()
     metrics = {"step": state["step"], "epoch": state["epoch"], "lr": lr,
@@ -438,7 +492,7 @@ def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opt, tea
     if with_eval:
         if plain is not model:                     # FSDP: evaluate an unsharded copy
             load_weights(plain, full_state(model, everywhere=True)[0], "the sharded drafter")
-        metrics.update(evaluate(plain, teacher, cfg, hidden, device, eval_sums))
+        metrics.update(evaluate(plain, teacher, cfg, hidden, device, eval_sums, eval_shard))
     if state["history"] and state["history"][-1]["step"] == state["step"]:
         state["history"][-1].update(metrics)  # the final report completes this step's entry
     else:
@@ -448,14 +502,13 @@ def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opt, tea
     return time.perf_counter()
 
 
-def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums) -> dict:
+def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums, shard) -> dict:
     """Per-position metrics on this worker's eval shard, all-reduced."""
-    import ray.train
     sums.reset()
     inner = unwrap(model)
     inner.eval()
     with torch.no_grad(), autocast(device, autocast_dtype(cfg.precision, cfg.use_gpu)):
-        for batch in ray.train.get_dataset_shard("eval").iter_batches(
+        for batch in shard.iter_batches(
                 batch_size=cfg.batch_size, batch_format="pyarrow"):
             b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
             loss, m = ttt.ttt_loss(inner, teacher, b, cfg.ttt_steps, cfg.step_weight_decay)
@@ -597,6 +650,16 @@ def plot_metrics(history: list[dict], steps: int, path: str) -> None:
 
 def unwrap(model):
     return getattr(model, "module", model)
+
+
+def data_shard(setup: dict, cfg: TrainConfig, split: str, rank: int, world: int):
+    """This worker's "train" or "eval" data: its ParquetShard of an on-disk dataset, else (online)
+    its shard of the Ray Data pipeline."""
+    if setup.get("read_parquet"):
+        return ParquetShard(cfg.dataset, [f["name"] for f in setup["manifest"]["files"]],
+                            cfg.eval_fraction, split == "eval", rank, world)
+    import ray.train
+    return ray.train.get_dataset_shard(split)
 
 
 def _next_unseen(it, seen: set):
@@ -745,13 +808,7 @@ def run_train(cfg: TrainConfig, address: str | None = None):
                   verifier=verifier.absolute_spec(cfg.verifier))
     setup = prepare(cfg)
     init_ray(address)
-    fs, root = schema.resolve_fs(cfg.dataset)
-    ds = ray.data.read_parquet([f"{root}/{f['name']}" for f in setup["manifest"]["files"]],
-                               filesystem=fs)
-    split = dict(fn=_split, batch_format="pyarrow", batch_size=None)
-    train_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, False))
-    eval_ds = ds.map_batches(**split, fn_args=(cfg.eval_fraction, True))
-    return fit(cfg, setup, {"train": train_ds, "eval": eval_ds})
+    return fit(cfg, {**setup, "read_parquet": True}, {})
 
 
 def fit(cfg: TrainConfig, setup: dict, datasets: dict):

@@ -218,3 +218,23 @@ def test_extractor_tokenizes_raw_batches_as_the_tokenize_stage_does(tiny_verifie
     staged, skipped_staged, _, _ = actor._extract(extract.Tokenize(tiny_verifier, 128)(raw))
     assert skipped_inline == skipped_staged
     assert pa.concat_tables(inline).equals(pa.concat_tables(staged))
+
+
+def test_offline_cpu_replicas_run_at_niceness_zero(ray_cluster, tiny_verifier):
+    """Ray starts workers at niceness 15; an offline CPU replica's runtime_env asks for 0 (a real
+    Ray actor reports its niceness). GPU and online replicas keep Ray's default."""
+    from eagle3_ray.extract import replica_runtime_env
+
+    @ray_cluster.remote(num_cpus=0)
+    class Probe:
+        def nice(self):
+            return os.nice(0)
+
+    def niceness(cfg):
+        actor = Probe.options(runtime_env=replica_runtime_env(cfg)).remote()
+        return ray_cluster.get(actor.nice.remote())
+
+    cpu = ExtractConfig(verifier=tiny_verifier)
+    assert niceness(cpu) == 0
+    assert niceness(replace(cpu, emit="rows")) == 15
+    assert replica_runtime_env(replace(cpu, gpus_per_replica=1)) is None

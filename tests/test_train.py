@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import make_conversations
 from eagle3_ray import schema
 from eagle3_ray.extract import ExtractConfig, run_extract
-from eagle3_ray.train import TrainConfig, run_train
+from eagle3_ray.train import TrainConfig, is_eval, run_train
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +148,32 @@ def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifie
     with pytest.raises(schema.DatasetMismatch, match=r"manifest.json.*hidden_size.*4096"):
         run_train(config(tiny_verifier, str(bad), tmp_path / "run"))
     assert not (tmp_path / "run" / "ray").exists()
+
+
+def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
+    """Offline workers read their own share of the parts: train shards are equal, disjoint runs
+    of the train split (fewer than `world` rows left out), eval shards cover the eval split once,
+    and the batches hold every row of a shard in order, across part boundaries."""
+    from eagle3_ray.train import ParquetShard
+    names = [f["name"] for f in schema.read_manifest(dataset)["files"]]
+    fs, root = schema.resolve_fs(dataset)
+    ids = [s for n in names for s in schema.read_column(fs, f"{root}/{n}", "sample_id")]
+    assert len(names) > 1
+    train = [s for s in ids if not is_eval(s, 0.15)]
+    evals = [s for s in ids if is_eval(s, 0.15)]
+
+    def shard_ids(want_eval, rank, world, batch=3):
+        batches = list(ParquetShard(dataset, names, 0.15, want_eval, rank, world)
+                       .iter_batches(batch_size=batch))
+        assert all(b.num_rows == batch for b in batches[:-1]) and "aux_hidden_states" in \
+            batches[0].column_names
+        return [s for b in batches for s in b.column("sample_id").to_pylist()]
+
+    for world in (1, 2, 3):
+        shards = [shard_ids(False, r, world) for r in range(world)]
+        assert len({len(x) for x in shards}) == 1 and len(train) - world < sum(map(len, shards))
+        assert sum(shards, []) == train[:sum(map(len, shards))]  # disjoint, in order
+        assert sum((shard_ids(True, r, world) for r in range(world)), []) == evals
 
 
 def test_depth_curriculum_lr_schedule_and_precision():
