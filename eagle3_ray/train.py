@@ -801,7 +801,6 @@ def worker_resources(cfg: TrainConfig) -> dict:
 
 def run_train(cfg: TrainConfig, address: str | None = None):
     """Check, then fit (or resume) on Ray Train. Returns the Ray Train Result."""
-    import ray
     from eagle3_ray.launch import init_ray
 
     cfg = replace(cfg, dataset=schema.absolute(cfg.dataset), output=schema.absolute(cfg.output),
