@@ -98,6 +98,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deep-fraction", type=float, default=d["deep_fraction"],
                    help="run the TTT steps past 0 on this random share of positions (cheaper)")
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
+    p.add_argument("--vocab-from", choices=("auto", "targets", "tokens"), default=d["vocab_from"],
+                   help="count the draft vocab over the verifier's argmax (targets) or the "
+                        "response tokens; auto: targets when the dataset stores them")
+    p.add_argument("--targets", choices=("soft", "hard"), default=d["targets"],
+                   help="loss target: the teacher's distribution or its argmax")
+    p.add_argument("--recompute", choices=("auto", "on", "off"), default=d["recompute"],
+                   help="recompute attention + logits in backward (auto: on GPUs only)")
     p.add_argument("--init", choices=("verifier", "random"), default=d["init"],
                    help="start fc + the decoder layer from the verifier or from noise")
     p.add_argument("--max-steps", type=int, default=d["max_steps"])

@@ -61,6 +61,17 @@ class TrainConfig:
                                           # default 8192 is ~3x faster than 32000 and covers
                                           # 96-99.9% of the targets (docs/benchmarks.md); for a
                                           # 128k+ vocab verifier use 32000, as SpecForge does
+    vocab_from: str = "auto"              # what the draft vocab's token counts are taken over:
+                                          # targets = the verifier's argmax on loss-masked
+                                          # positions (what a greedy verifier asks the drafter
+                                          # to propose), tokens = the response tokens
+                                          # (SpecForge); auto = targets when the dataset stores
+                                          # target_ids (offline), else tokens (online)
+    targets: str = "soft"                 # loss target: soft = the teacher's distribution over
+                                          # the draft vocab, hard = its argmax (ttt.ttt_loss)
+    recompute: str = "auto"               # recompute the attention core and lm_head chunks in
+                                          # backward (memory) or keep them (compute): on, off,
+                                          # auto = on for GPUs, off on CPUs (short on compute)
     init: str = "verifier"                # verifier: fc passes the highest aux state through and
                                           # the midlayer starts as that verifier layer
                                           # (draft.init_from_verifier); random: noise
@@ -155,6 +166,10 @@ def check_config(cfg: TrainConfig) -> None:
                  "num_workers", "max_seq_len"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name, allowed in (("vocab_from", VOCAB_FROM), ("targets", ttt.TARGETS),
+                          ("recompute", ("auto", "on", "off"))):
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if cfg.init not in draft.INIT_MODES:
         raise ValueError(f"init must be one of {draft.INIT_MODES}, got {cfg.init!r}")
     if cfg.parallel not in ("ddp", "fsdp"):
@@ -173,13 +188,35 @@ def prepare(cfg: TrainConfig) -> dict:
     expected = verifier.verifier_facts(cfg.verifier, config, tok, manifest["facts"]["aux_layer_ids"])
     schema.check_compatible(manifest, expected, where=schema.manifest_path(cfg.dataset),
                             fields=VERIFIER_FIELDS)
-    return make_setup(cfg, manifest, lambda: vocab.count_tokens(cfg.dataset, config.vocab_size))
+    column = vocab_column(cfg, schema.stores_target_ids(manifest))
+    return make_setup(cfg, manifest,
+                      lambda: vocab.count_tokens(cfg.dataset, config.vocab_size, column), column)
 
 
-def make_setup(cfg: TrainConfig, manifest: dict, count_tokens) -> dict:
+VOCAB_FROM = ("auto", "targets", "tokens")
+
+
+def vocab_column(cfg: TrainConfig, has_target_ids: bool) -> str:
+    """The dataset column the draft vocabulary is counted over (TrainConfig.vocab_from)."""
+    if cfg.vocab_from == "targets" and not has_target_ids:
+        raise ValueError(f"{cfg.dataset or 'online training'}: vocab_from='targets' needs an "
+                         "offline dataset that stores target_ids (format_version >= 2); "
+                         "online training counts the response tokens (vocab_from tokens/auto)")
+    if cfg.vocab_from == "tokens" or not has_target_ids:
+        return "input_ids"
+    return "target_ids"
+
+
+def recompute(cfg: TrainConfig) -> bool:
+    """TrainConfig.recompute -> whether ttt_loss checkpoints its attention core and logits."""
+    return cfg.recompute == "on" or (cfg.recompute == "auto" and cfg.use_gpu)
+
+
+def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
+               counted: str = "input_ids") -> dict:
     """What every worker needs: the dataset facts, the draft config and the draft vocabulary
-    (built from count_tokens() -> int64 [V] on the first run, read back from the run dir on
-    a resume)."""
+    (built from count_tokens() -> int64 [V] counts of the `counted` column on the first run,
+    read back from the run dir on a resume)."""
     config = verifier.load_config(cfg.verifier)
     fs, root = schema.resolve_fs(cfg.output)
     fs.create_dir(root, recursive=True)
@@ -195,7 +232,7 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens) -> dict:
         counts = count_tokens()
         d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, config.vocab_size))
         schema.write_bytes_atomic(fs, vocab_path, json.dumps(
-            {"draft_vocab_size": len(d2t), "d2t": d2t.tolist(),
+            {"draft_vocab_size": len(d2t), "d2t": d2t.tolist(), "counted": counted,
              "coverage": vocab.coverage(counts, t2d)}).encode())
     dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
                                                   manifest["facts"]["aux_layer_ids"])
@@ -250,10 +287,16 @@ class ParquetShard:
     streaming_split has no task to wait on and its scheduling loop spins (Ray 2.60,
     StreamingExecutor._scheduling_loop_step): ~65% of a core in its SplitCoordinator, a third of
     a 2-core host that the workers need (docs/benchmarks.md#bench-train). Online training keeps
-    Ray Data: there the pipeline (tokenize, verifier replicas) is the point."""
+    Ray Data: there the pipeline (tokenize, verifier replicas) is the point.
+
+    set_epoch(seed, epoch) shuffles the worker's parts and the rows inside each part, the same
+    for a given (seed, epoch) (so a resumed epoch reads in the order it began with), as
+    torch's DistributedSampler.set_epoch or Ray Data's randomize_block_order plus a local
+    shuffle do; rows never cross workers, so each worker still reads only its own parts."""
 
     def __init__(self, uri: str, names: list[str], eval_fraction: float, want_eval: bool,
                  rank: int, world: int):
+        self.shuffle = None                                # (seed, epoch); None: manifest order
         self.fs, root = schema.resolve_fs(uri)
         self.paths = [f"{root}/{name}" for name in names]
         rows = [(i, j) for i, path in enumerate(self.paths)
@@ -265,6 +308,9 @@ class ParquetShard:
             n = len(rows) // world
             self.rows = rows[rank * n:(rank + 1) * n]
 
+    def set_epoch(self, seed: int, epoch: int) -> None:
+        self.shuffle = (seed, epoch)
+
     def _read(self, part: int, rows: list[int]) -> pa.Table:
         with self.fs.open_input_file(self.paths[part]) as f:
             return pq.read_table(f).take(pa.array(rows, pa.int64()))
@@ -274,6 +320,10 @@ class ParquetShard:
         assert batch_format == "pyarrow", batch_format
         parts = [(part, [j for _, j in g]) for part, g in
                  itertools.groupby(self.rows, key=lambda r: r[0])]
+        if self.shuffle is not None:                      # parts, then rows within a part
+            rng = np.random.default_rng(self.shuffle)
+            parts = [(part, [rows[i] for i in rng.permutation(len(rows))])
+                     for part, rows in (parts[i] for i in rng.permutation(len(parts)))]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:   # pyarrow drops the GIL
             ahead = pool.submit(self._read, *parts[0]) if parts else None
             held = None
@@ -375,12 +425,15 @@ def train_loop_per_worker(loop: dict) -> None:
     shard = data_shard(setup, cfg, "train", rank, world)
     eval_shard = data_shard(setup, cfg, "eval", rank, world)
     budget_s = 60 * cfg.max_minutes if cfg.max_minutes else math.inf
+    ckpt = recompute(cfg)
     out_of_time, t_step = False, time.monotonic()
     # online: data wait, samples and tokens since the last report, and when that was
     wait = {"s": 0.0, "tokens": 0, "samples": 0, "since": time.monotonic()}
     while state["step"] < cfg.max_steps and state["epoch"] < cfg.max_epochs and not out_of_time:
         if setup.get("skip_file"):  # online: the pipeline drops what this epoch already saw
             _publish_skip(cfg, setup, rank, state["epoch"], seen)
+        if isinstance(shard, ParquetShard):
+            shard.set_epoch(cfg.seed, state["epoch"])
         it = iter(shard.iter_batches(batch_size=cfg.batch_size, batch_format="pyarrow",
                                      prefetch_batches=2))
         steps_before = state["step"]
@@ -403,7 +456,8 @@ def train_loop_per_worker(loop: dict) -> None:
                 g["lr"] = lr
             with autocast(device, amp_dtype):
                 loss, m = ttt.ttt_loss(model, teacher, b, depth, cfg.step_weight_decay,
-                                       deep_fraction=cfg.deep_fraction)
+                                       deep_fraction=cfg.deep_fraction, targets=cfg.targets,
+                                       checkpoint_attention=ckpt, checkpoint_logits=ckpt)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -511,7 +565,8 @@ def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums, shard) -> di
         for batch in shard.iter_batches(
                 batch_size=cfg.batch_size, batch_format="pyarrow"):
             b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
-            loss, m = ttt.ttt_loss(inner, teacher, b, cfg.ttt_steps, cfg.step_weight_decay)
+            loss, m = ttt.ttt_loss(inner, teacher, b, cfg.ttt_steps, cfg.step_weight_decay,
+                                   targets=cfg.targets)
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
     inner.train()
     return sums.summarize(sums.reduce(), "eval/")

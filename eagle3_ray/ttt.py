@@ -148,32 +148,39 @@ class DiagonalAttention:
         return _attend(*args)
 
 
-def _soft_ce(drafter, hidden: torch.Tensor, p_rows: torch.Tensor, rows: torch.Tensor):
-    """hidden [n, H], targets p_rows[rows] ([n, Vd]) -> (Σ_rows -Σ_v p log q, drafter argmax [n]).
-    The targets are gathered inside, so a checkpoint saves only the row indices."""
+def _cross_entropy(drafter, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor):
+    """hidden [n, H], targets[rows] -> (Σ_rows cross-entropy, drafter argmax [n]). targets:
+    [M, Vd] probabilities (soft: -Σ_v p log q) or [M] draft ids (hard: -log q[id]). They are
+    gathered inside, so a checkpoint saves only the row indices."""
     logits = drafter.logits(hidden)                                        # [n, Vd]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp32 (fp64 stays)
-    loss = -(p_rows[rows] * logits.log_softmax(-1)).sum()
+    if targets.dtype == torch.long:
+        loss = torch.nn.functional.cross_entropy(logits, targets[rows], reduction="sum")
+    else:
+        loss = -(targets[rows] * logits.log_softmax(-1)).sum()
     return loss, logits.argmax(-1)
 
 
-def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, p_rows: torch.Tensor,
-               chunk_size: int):
+def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+               chunk_size: int, recompute: bool = True):
     """Loss sum and argmax over the valid positions (rows >= 0) of one step.
-    hidden [B, S, H], rows [B, S] (teacher row per position, -1 = invalid), p_rows [M, Vd]."""
+    hidden [B, S, H], rows [B, S] (teacher row per position, -1 = invalid), targets [M, Vd]
+    or [M] (_cross_entropy). recompute: the chunks' logits are recomputed in backward
+    (activation checkpointing: memory of one chunk) instead of kept (no second lm_head)."""
     valid = rows >= 0
     h, r = hidden[valid], rows[valid]                                      # [N, H], [N]
     if len(r) == 0:  # keep lm_head/norm in the graph (DDP expects a grad for every parameter)
-        h, p = hidden.reshape(-1, hidden.shape[-1])[:1], p_rows.new_zeros(1, p_rows.shape[1])
-        loss, _ = _soft_ce(drafter, h, p, torch.zeros(1, dtype=torch.long, device=h.device))
-        return loss, r
+        h = hidden.reshape(-1, hidden.shape[-1])[:1]                       # [1, H]
+        t = targets.new_zeros((1,) + targets.shape[1:])                    # [1, Vd] or [1]
+        loss, _ = _cross_entropy(drafter, h, t, torch.zeros(1, dtype=torch.long, device=h.device))
+        return loss * 0, r
     total, preds = 0.0, []
     for c in range(0, len(r), chunk_size):
-        args = (drafter, h[c:c + chunk_size], p_rows, r[c:c + chunk_size])  # [n, H], [M, Vd], [n]
-        if torch.is_grad_enabled():
-            loss, pred = checkpoint(_soft_ce, *args, use_reentrant=False)
+        args = (drafter, h[c:c + chunk_size], targets, r[c:c + chunk_size])  # [n, H], [n]
+        if torch.is_grad_enabled() and recompute:
+            loss, pred = checkpoint(_cross_entropy, *args, use_reentrant=False)
         else:
-            loss, pred = _soft_ce(*args)
+            loss, pred = _cross_entropy(*args)
         total, preds = total + loss, preds + [pred]
     return total, torch.cat(preds)
 
@@ -193,9 +200,13 @@ def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
     return sel, keep.gather(1, perm)
 
 
+TARGETS = ("soft", "hard")
+
+
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
              chunk_size: int = 512, checkpoint_attention: bool = True,
-             deep_fraction: float = 1.0, generator=None):
+             deep_fraction: float = 1.0, generator=None, targets: str = "soft",
+             checkpoint_logits: bool = True):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -210,7 +221,15 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     deep_fraction < 1: steps 1..K-1 run on that share of the positions only (`deep_selection`,
     drawn from `generator`); step 0 always runs on all of them. Step k's loss stays the mean over
     its valid positions, now a uniform sample of them: an unbiased estimate at ~fraction of the
-    cost of each deep step. The metrics of deep steps then count the sampled positions."""
+    cost of each deep step. The metrics of deep steps then count the sampled positions.
+    targets: "soft" = cross-entropy against the teacher's distribution over the draft vocab;
+    "hard" = against its argmax only (the verifier's greedy token: what greedy acceptance
+    checks); with target_ids in the batch the teacher is then never run.
+    checkpoint_attention / checkpoint_logits: recompute the attention core / the lm_head chunks
+    in backward (memory linear in depth, one chunk of logits at a time) or keep them (no second
+    pass: cheaper where compute, not memory, is short, as on CPUs)."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     if not 0 < deep_fraction <= 1:
@@ -227,14 +246,20 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     wanted = batch["loss_mask"].bool() & real                              # [B, S]
     wanted[:, 0] = False
     greedy = batch.get("target_ids")          # the verifier's argmax, stored at extraction
-    p_rows, in_draft = teacher(batch["last_hidden_states"][wanted], check=greedy is None)
-    if greedy is not None:                                                 # [M, Vd], [M]
-        in_draft = drafter.t2d[greedy[wanted]]
+    if targets == "hard" and greedy is not None:                           # no teacher needed
+        top = greedy[wanted]                                               # [M] target ids
+        in_draft = drafter.t2d[top]                                        # [M]
+        teacher_top = (drafter.t2d.cumsum(0) - 1)[top].clamp(min=0)        # [M] draft ids
+    else:
+        p_rows, in_draft = teacher(batch["last_hidden_states"][wanted], check=greedy is None)
+        if greedy is not None:                                             # [M, Vd], [M]
+            in_draft = drafter.t2d[greedy[wanted]]
+        teacher_top = p_rows.argmax(-1)                                    # [M]
+    target = p_rows if targets == "soft" else teacher_top                  # [M, Vd] or [M]
     target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
-    target_row[wanted] = torch.arange(len(p_rows), device=ids.device)      # every valid target
+    target_row[wanted] = torch.arange(len(teacher_top), device=ids.device)  # every valid target
     learn_row = target_row.clone()                                         # in-vocab ones only
     learn_row[wanted] = torch.where(in_draft, target_row[wanted], -1)
-    teacher_top = p_rows.argmax(-1)                                        # [M]
 
     positions = torch.arange(s, device=ids.device)[None].expand(b, s)     # [B, S]
     attend = DiagonalAttention(real, checkpoint_attention)
@@ -252,7 +277,8 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             rows = rows.gather(1, sel).masked_fill(~keep, -1)
             learn = learn.gather(1, sel).masked_fill(~keep, -1)
         hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
-        loss_sum, pred = _step_loss(drafter, hidden, learn, p_rows, chunk_size)
+        loss_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
+                                    checkpoint_logits)
         valid, learnable = rows >= 0, learn >= 0
         losses.append(loss_sum / learnable.sum().clamp(min=1))
         with torch.no_grad():  # counts stay tensors: one device sync at the end

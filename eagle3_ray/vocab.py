@@ -35,27 +35,34 @@ import torch
 
 from eagle3_ray import schema
 
-COLUMNS = ["input_ids", "loss_mask"]   # the only columns count_tokens reads
+COLUMNS_COUNTED = ("input_ids", "target_ids")   # count_tokens reads one of these + loss_mask
 
 
-def _count_row_group(table: pa.Table, vocab_size: int, where: str) -> np.ndarray:
-    """Counts of the loss-masked tokens of one row group -> int64 [V]."""
-    ids_col, mask_col = table.column("input_ids"), table.column("loss_mask")
+def _count_row_group(table: pa.Table, vocab_size: int, where: str,
+                     column: str = "input_ids") -> np.ndarray:
+    """Counts of `column`'s ids at the loss-masked positions of one row group -> int64 [V]."""
+    ids_col, mask_col = table.column(column), table.column("loss_mask")
     same_len = pc.equal(pc.list_value_length(ids_col), pc.list_value_length(mask_col))
     if pc.any(pc.invert(same_len)).as_py():
-        raise ValueError(f"{where}: input_ids and loss_mask differ in length in some row")
+        raise ValueError(f"{where}: {column} and loss_mask differ in length in some row")
     ids = pc.list_flatten(ids_col).to_numpy()                       # [N] all tokens
     mask = pc.list_flatten(mask_col).to_numpy()                     # [N]
     kept = ids[mask == 1].astype(np.int64)                          # [M] loss-masked tokens
     if kept.size and (kept.min() < 0 or kept.max() >= vocab_size):
         bad = int(kept.max() if kept.max() >= vocab_size else kept.min())
-        raise ValueError(f"{where}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{where}: {column} id {bad} outside the vocabulary [0, {vocab_size})")
     return np.bincount(kept, minlength=vocab_size)                  # [V]
 
 
-def count_tokens(dataset_uri: str, vocab_size: int) -> np.ndarray:
-    """int64 [V] counts of each token id over loss-masked tokens (loss_mask == 1) of every part
-    of the dataset at `dataset_uri` (local path or URI); hidden-state columns are never read."""
+def count_tokens(dataset_uri: str, vocab_size: int, column: str = "input_ids") -> np.ndarray:
+    """int64 [V] counts of each id of `column` over the loss-masked positions (loss_mask == 1)
+    of every part of the dataset at `dataset_uri` (local path or URI): "input_ids" counts the
+    response tokens (SpecForge's rule), "target_ids" the verifier's argmax there, i.e. exactly
+    the tokens a greedy verifier asks the drafter to propose at those positions (ttt.py: the
+    target at position u is the verifier's argmax at u, masked by loss_mask[u]). Hidden-state
+    columns are never read."""
+    if column not in COLUMNS_COUNTED:
+        raise ValueError(f"column must be one of {COLUMNS_COUNTED}, got {column!r}")
     fs, root = schema.resolve_fs(dataset_uri)
     parts = schema.list_parts(fs, root)
     if not parts:
@@ -65,8 +72,8 @@ def count_tokens(dataset_uri: str, vocab_size: int) -> np.ndarray:
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             for rg in range(pf.num_row_groups):
-                table = pf.read_row_group(rg, columns=COLUMNS)
-                counts += _count_row_group(table, vocab_size, f"{path} row group {rg}")
+                table = pf.read_row_group(rg, columns=[column, "loss_mask"])
+                counts += _count_row_group(table, vocab_size, f"{path} row group {rg}", column)
     return counts
 
 

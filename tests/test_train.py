@@ -153,7 +153,8 @@ def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifie
 def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
     """Offline workers read their own share of the parts: train shards are equal, disjoint runs
     of the train split (fewer than `world` rows left out), eval shards cover the eval split once,
-    and the batches hold every row of a shard in order, across part boundaries."""
+    the batches hold every row of a shard in order, across part boundaries, and set_epoch
+    reorders a shard's rows per epoch, reproducibly."""
     from eagle3_ray.train import ParquetShard
     names = [f["name"] for f in schema.read_manifest(dataset)["files"]]
     fs, root = schema.resolve_fs(dataset)
@@ -162,9 +163,11 @@ def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
     train = [s for s in ids if not is_eval(s, 0.15)]
     evals = [s for s in ids if is_eval(s, 0.15)]
 
-    def shard_ids(want_eval, rank, world, batch=3):
-        batches = list(ParquetShard(dataset, names, 0.15, want_eval, rank, world)
-                       .iter_batches(batch_size=batch))
+    def shard_ids(want_eval, rank, world, batch=3, epoch=None):
+        shard = ParquetShard(dataset, names, 0.15, want_eval, rank, world)
+        if epoch is not None:
+            shard.set_epoch(7, epoch)
+        batches = list(shard.iter_batches(batch_size=batch))
         assert all(b.num_rows == batch for b in batches[:-1]) and "aux_hidden_states" in \
             batches[0].column_names
         return [s for b in batches for s in b.column("sample_id").to_pylist()]
@@ -174,6 +177,12 @@ def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
         assert len({len(x) for x in shards}) == 1 and len(train) - world < sum(map(len, shards))
         assert sum(shards, []) == train[:sum(map(len, shards))]  # disjoint, in order
         assert sum((shard_ids(True, r, world) for r in range(world)), []) == evals
+        # set_epoch shuffles each worker's own rows: the same rows, another order per epoch,
+        # the same order again for the same epoch (a resumed epoch)
+        for r in range(world):
+            e0, e1 = shard_ids(False, r, world, epoch=0), shard_ids(False, r, world, epoch=1)
+            assert sorted(e0) == sorted(e1) == sorted(shards[r])
+            assert e0 != shards[r] and e0 != e1 and e0 == shard_ids(False, r, world, epoch=0)
 
 
 def test_depth_curriculum_lr_schedule_and_precision():
@@ -203,3 +212,20 @@ def test_depth_curriculum_lr_schedule_and_precision():
     sums.add(m, 1.0, 10)
     s = sums.summarize(sums.t, "")
     assert s["acc_0"] == 1.0 and s["acc_2"] == 0.0
+
+
+def test_vocab_source_and_recompute_choices():
+    """vocab_from picks the counted column (the verifier's argmax when the dataset has it),
+    recompute follows the device, and bad values are refused before anything starts."""
+    from eagle3_ray import train
+    auto = TrainConfig(dataset="x")
+    assert train.vocab_column(auto, True) == "target_ids"
+    assert train.vocab_column(auto, False) == "input_ids"                # online, format 1
+    assert train.vocab_column(TrainConfig(dataset="x", vocab_from="tokens"), True) == "input_ids"
+    with pytest.raises(ValueError, match="target_ids"):
+        train.vocab_column(TrainConfig(dataset="x", vocab_from="targets"), False)
+    assert not train.recompute(auto) and train.recompute(TrainConfig(dataset="x", use_gpu=True))
+    assert train.recompute(TrainConfig(dataset="x", recompute="on"))
+    for bad in ({"vocab_from": "argmax"}, {"targets": "kl"}, {"recompute": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            train.check_config(TrainConfig(dataset="x", **bad))

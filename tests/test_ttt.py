@@ -47,10 +47,10 @@ def tiny(seed=0, dtype=torch.float64):
     return drafter, teacher, batch, full
 
 
-def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None):
+def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None, hard=False):
     """Reference: explicit keys of all steps × all positions with a full mask, full logits.
     deep [B, S]: the positions whose steps past 0 count (all if None); counts: a list that gets
-    each step's number of valid positions."""
+    each step's number of valid positions; hard: one-hot targets at the teacher's argmax."""
     c = drafter.config
     ids, att = batch["input_ids"], batch["attention_mask"].bool()
     # teacher over the FULL vocab
@@ -58,6 +58,8 @@ def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None):
     logits_full = normed @ full["head"].T                                     # [B, S, V]
     in_draft = full["t2d"][logits_full.argmax(-1)]                            # [B, S]
     p = logits_full[..., full["target_ids"]].softmax(-1)                      # [B, S, Vd]
+    if hard:
+        p = torch.nn.functional.one_hot(p.argmax(-1), p.shape[-1]).to(p.dtype)
     ok = batch["loss_mask"].bool() & att & in_draft
     hidden = drafter.fuse(batch["aux_hidden_states"])
     pos = torch.arange(S)
@@ -124,11 +126,41 @@ def test_matches_naive_reference(steps, block, monkeypatch):
     # no checkpointing / no chunking: same numbers
     drafter.zero_grad()
     loss2, _ = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, chunk_size=1000,
-                            checkpoint_attention=False)
+                            checkpoint_attention=False, checkpoint_logits=False)
     loss2.backward()
     assert torch.allclose(loss2, ref, rtol=1e-10)
     for n, v in grads(drafter).items():
         assert torch.allclose(v, g_ref[n], rtol=1e-8, atol=1e-11), n
+
+
+def test_hard_targets_match_the_reference_and_never_run_the_teacher():
+    """targets="hard": cross-entropy against the verifier's argmax; with target_ids stored the
+    teacher is not called, and the metrics (which only need the argmax) equal the soft run's."""
+    drafter, teacher, batch, full = tiny()
+    ref = naive_loss(drafter, batch, full, 3, 0.8, hard=True)
+    ref.backward()
+    g_ref = grads(drafter)
+    normed = rms_norm(batch["last_hidden_states"], full["norm"], drafter.config.rms_norm_eps)
+    greedy = {**batch, "target_ids": (normed @ full["head"].T).argmax(-1)}    # [B, S]
+
+    def no_teacher(*a, **k):
+        raise AssertionError("the teacher ran")
+
+    for recompute in (True, False):
+        drafter.zero_grad()
+        loss, m = ttt.ttt_loss(drafter, no_teacher, greedy, 3, 0.8, chunk_size=5,
+                               targets="hard", checkpoint_logits=recompute)
+        loss.backward()
+        assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
+        for n, v in grads(drafter).items():
+            assert torch.allclose(v, g_ref[n], rtol=1e-8, atol=1e-11), n
+    with torch.no_grad():
+        _, m_soft = ttt.ttt_loss(drafter, teacher, greedy, 3, 0.8)
+    for key in ("count", "correct", "all_correct", "loss_count"):
+        assert m[key] == m_soft[key], key
+    assert m["loss_count"][0] > 0
+    with pytest.raises(ValueError, match="targets"):
+        ttt.ttt_loss(drafter, teacher, batch, 3, targets="argmax")
 
 
 @pytest.mark.parametrize("fraction,block", [(0.5, 256), (0.3, 2)])

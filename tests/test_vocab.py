@@ -64,6 +64,24 @@ def test_counts_match_direct_count(dataset):
     np.testing.assert_array_equal(vocab.count_tokens("file://" + root, V), counts)   # URI
 
 
+def test_counts_the_verifier_argmax_over_target_ids(tmp_path):
+    """column="target_ids" counts the verifier's greedy token at the loss-masked positions
+    (the drafter's targets), not the response tokens."""
+    rows = make_rows(12, seed=3, prefix="t")
+    rng = np.random.default_rng(5)
+    for r in rows:                                 # a narrower distribution than the text's
+        r["target_ids"] = rng.integers(0, 7, len(r["input_ids"])).astype(np.int32).tolist()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema.SCHEMA),
+                   str(tmp_path / "part-t.parquet"), row_group_size=5)
+    want = collections.Counter(t for r in rows for t, m in zip(r["target_ids"], r["loss_mask"])
+                               if m)
+    counts = vocab.count_tokens(str(tmp_path), V, column="target_ids")
+    np.testing.assert_array_equal(counts, [want.get(i, 0) for i in range(V)])
+    assert not np.array_equal(counts, vocab.count_tokens(str(tmp_path), V))   # input_ids
+    with pytest.raises(ValueError, match="column"):
+        vocab.count_tokens(str(tmp_path), V, column="sample_id")
+
+
 def _garble_hidden_columns(path: str) -> None:
     """Overwrite the bytes of every hidden-state column chunk with garbage."""
     md = pq.ParquetFile(path).metadata
