@@ -240,8 +240,8 @@ def cmd_demo(a):
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of `eagle3-ray bench` (shared with jobs/bench.py)."""
-    p.add_argument("what", choices=["extract", "train", "quality", "recipe", "serve", "regen",
-                                    "storage", "online"])
+    p.add_argument("what", choices=["extract", "train", "quality", "recipe", "sweep", "serve",
+                                    "regen", "storage", "online"])
     p.add_argument("--samples", type=int,
                    help="conversations (extract: 128, quality/recipe: 1200, storage: 600) / "
                         "prompts (serve: 8)")
@@ -278,6 +278,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="quality/recipe: held-out prompts decoded per drafter")
     p.add_argument("--served-tokens", type=int, default=96,
                    help="quality/recipe: tokens decoded per prompt")
+    p.add_argument("--dataset", help="sweep: hidden-state dataset (e.g. runs/bench/data/orig, "
+                   "what bench quality extracts)")
+    p.add_argument("--arm", nargs="+", action="append", metavar="NAME [FIELD=VALUE]",
+                   help="sweep: one arm, a name and its TrainConfig fields (repeat the flag)")
+    p.add_argument("--parallel", type=int, default=2,
+                   help="sweep: arms trained side by side, one core each")
     p.add_argument("--max-new-tokens", type=int, default=128, help="regen: tokens per prompt")
     p.add_argument("--batch", type=int, default=32, help="regen: rows per batched forward")
     p.add_argument("--name", default="regen", help="regen: output name (<out>/<name>.json)")
@@ -299,6 +305,13 @@ def cmd_bench(a):
                           dynamic=not a.no_dynamic, peers=not a.no_peers,
                           prompt_lookup=tuple(a.prompt_lookup_tokens), num_gpus=a.gpus,
                           **({"depths": tuple(a.depths)} if a.depths else {}))
+        return
+    if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray
+        from eagle3_ray import sweep
+        if not a.dataset or not a.arm:
+            raise SystemExit("bench sweep needs --dataset and at least one --arm NAME [F=V ...]")
+        sweep.run(a.dataset, {arm[0]: parse_fields(arm[1:]) for arm in a.arm},
+                  minutes=a.minutes, parallel=a.parallel, out_dir=a.out)
         return
     if a.what == "regen":  # batched generation in-process, no Ray
         bench.bench_regen(prompts=a.samples or 32, max_new_tokens=a.max_new_tokens,

@@ -18,9 +18,11 @@ checkpointing), so no S×S tensor is kept per step and memory grows linearly wit
 Deep selection (deep_fraction < 1): steps 1..K-1 at position t depend only on the step-0 keys
 and on t's own chain, so they can run on a random share of the positions: each deep step then
 costs ~that share, with its loss an unbiased estimate of the full one (step 0 runs everywhere).
-Loss: soft cross-entropy against p_teacher on the learnable positions of each step (mean), total
-Σ_k w^k loss_k / Σ_k w^k; lm_head + log_softmax run on gathered valid rows only, in checkpointed
-chunks, so no [S, Vd] fp32 logits are held per step.
+Loss: cross-entropy on the learnable positions of each step (mean) against p_teacher (soft) or
+its argmax, the verifier's greedy token (hard: with target_ids stored the teacher never runs);
+total Σ_k w^k loss_k / Σ_k w^k. lm_head + log_softmax run on gathered valid rows only, in
+chunks that are recomputed in backward (checkpoint_logits) where memory is short, so no [S, Vd]
+fp32 logits are held per step.
 
 Mask as in SpecForge: its step-0 keys are plain causal at every step too (specforge/modeling/
 draft/flex_attention.py generate_eagle3_mask: causal block | same-position suffix keys; the mask

@@ -229,3 +229,23 @@ def test_vocab_source_and_recompute_choices():
     for bad in ({"vocab_from": "argmax"}, {"targets": "kl"}, {"recompute": "yes"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train.check_config(TrainConfig(dataset="x", **bad))
+
+
+def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_verifier, dataset,
+                                                                        tmp_path):
+    """bench sweep: two TrainConfig variants side by side for the same minutes, each in a
+    fresh one-thread process, evaluated on the held-out split; JSON + PNG written."""
+    from eagle3_ray import sweep
+    base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,
+            "max_seq_len": 96, "ttt_steps": 2, "warmup_steps": 2}
+    arms = {"soft": {**base, "targets": "soft", "vocab_from": "tokens"}, "hard": base}
+    r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path))
+    for name, run in r["runs"].items():
+        assert run["steps"] >= 1 and run["tokens_per_s"] > 0, name
+        assert run["eval_positions"] > 0 and len(run["acc"]) == 2, name
+        assert 0 <= run["acc"][0] <= run["in_vocab"] <= 1, name
+        assert run["group"] == 0                                    # both ran side by side
+    assert r["runs"]["soft"]["vocab_from"] == "input_ids"
+    assert r["runs"]["hard"]["vocab_from"] == "target_ids"
+    assert r["runs"]["hard"]["config"]["targets"] == "hard"
+    assert (tmp_path / "sweep.json").is_file() and (tmp_path / "sweep.png").is_file()

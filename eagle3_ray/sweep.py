@@ -1,0 +1,138 @@
+"""Recipe sweep: TrainConfig variants trained side by side for equal minutes, no Ray.
+
+Each arm is a fresh process with one torch thread that builds the drafter as `train` does
+(vocab_from, init, draft vocab), runs the same step (ttt.ttt_loss, AdamW, the lr and depth
+schedules of train.py) on the dataset's train split through ParquetShard, for `minutes` of
+training, then evaluates teacher-forced on the held-out split (the verifier's argmax as the
+target, `eval_depth` positions). Arms run `parallel` at a time, one core each, so the arms of a
+group see the same host load and are compared as ratios; one process and one thread per arm
+also keeps Ray and DDP out of what is measured. For served acceptance, train the winners with
+`bench quality` / `bench recipe`.
+
+    eagle3-ray bench sweep --dataset runs/bench/data/orig --minutes 2 \
+        --arm previous targets=soft draft_vocab_size=8192 vocab_from=tokens --arm default
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+from eagle3_ray import draft, schema, train, ttt, verifier, vocab
+
+
+def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4) -> dict:
+    """One arm in this process: train for `minutes`, evaluate held-out -> metrics."""
+    cfg = replace(train.TrainConfig(dataset=dataset), **overrides, max_minutes=minutes,
+                  max_steps=10**9)
+    train.check_config(cfg)
+    torch.manual_seed(cfg.seed)
+    manifest = schema.read_manifest(dataset)
+    config = verifier.load_config(cfg.verifier)
+    column = train.vocab_column(cfg, schema.stores_target_ids(manifest))
+    counts = vocab.count_tokens(dataset, config.vocab_size, column)
+    d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, config.vocab_size))
+    dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
+                                                  manifest["facts"]["aux_layer_ids"])
+    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=False,
+                                           init=cfg.init)
+    names = [f["name"] for f in manifest["files"]]
+    shard = train.ParquetShard(dataset, names, cfg.eval_fraction, False, 0, 1)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    amp = train.autocast_dtype(cfg.precision, False)
+    teacher = teacher.to(amp or torch.float32)
+    step = tokens = epoch = 0
+    t0, train_s = time.monotonic(), 0.0
+    while train_s < 60 * minutes:
+        shard.set_epoch(cfg.seed, epoch)
+        for batch in shard.iter_batches(cfg.batch_size):
+            b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
+            train.train_step(cfg, drafter, opt, params, teacher, b, step, train_s,
+                             torch.device("cpu"), amp)
+            step, tokens = step + 1, tokens + int(b["attention_mask"].sum())
+            train_s = time.monotonic() - t0
+            if train_s >= 60 * minutes:
+                break
+        epoch += 1
+    drafter.eval()
+    sums = train.MetricSums(eval_depth)
+    with torch.no_grad(), train.autocast(torch.device("cpu"), amp):
+        for batch in train.ParquetShard(dataset, names, cfg.eval_fraction, True, 0,
+                                        1).iter_batches(4):
+            b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
+            loss, m = ttt.ttt_loss(drafter, teacher, b, eval_depth, 1.0, targets="hard")
+            sums.add(m, float(loss), int(b["attention_mask"].sum()))
+    ev = sums.summarize(sums.t, "")
+    cond = [ev[f"cond_acc_{i}"] for i in range(eval_depth)]
+    return {"overrides": overrides, "steps": step, "epochs": epoch, "train_s": train_s,
+            "tokens_per_s": tokens / max(train_s, 1e-9), "vocab_from": column,
+            "acc": [ev[f"acc_{i}"] for i in range(eval_depth)], "cond_acc": cond,
+            "in_vocab": ev["in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
+            "eval_positions": ev["count_0"], "config": asdict(cfg)}
+
+
+def _spawn(dataset: str, name: str, overrides: dict, minutes: float, eval_depth: int):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "eagle3_ray.sweep", "--worker", dataset, json.dumps(overrides),
+           str(minutes), str(eval_depth)]
+    return name, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+
+
+def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: int = 2,
+        eval_depth: int = 4, out_dir: str = "runs/bench", name: str = "sweep") -> dict:
+    """Every arm ({name: TrainConfig overrides}) for `minutes`, `parallel` at a time (one core
+    each). Writes <out_dir>/<name>.json + .png."""
+    from eagle3_ray import bench
+    dataset = schema.absolute(dataset)
+    items, runs = list(arms.items()), {}
+    for i in range(0, len(items), parallel):
+        group = [_spawn(dataset, n, o, minutes, eval_depth) for n, o in items[i:i + parallel]]
+        for arm, proc in group:
+            out, err = proc.communicate()
+            line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            if proc.returncode or not line:
+                raise RuntimeError(f"sweep arm {arm!r} failed:\n{err[-3000:]}")
+            runs[arm] = {"group": i // parallel, **json.loads(line[-1][len("RESULT "):])}
+            r = runs[arm]
+            print(f"[sweep] {arm}: {r['steps']} steps, {r['tokens_per_s']:.0f} tok/s, held-out "
+                  f"acc0 {r['acc'][0]:.3f}, tau({eval_depth}) {r['tau_by_depth'][-1]:.2f}, "
+                  f"in vocab {r['in_vocab']:.3f}", flush=True)
+    result = {"bench": name, "dataset": dataset, "minutes": minutes, "parallel": parallel,
+              "threads_per_arm": 1, "host": bench.host_flags(), "runs": runs,
+              "note": "teacher-forced: held-out split of the dataset, target = the verifier's "
+                      "argmax (a target outside the draft vocab counts as a miss); arms of one "
+                      "group ran side by side, one core each"}
+    bench.save_result(out_dir, name, result, plot)
+    print(f"[sweep] -> {out_dir}/{name}.json, {out_dir}/{name}.png")
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(result["runs"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    a1.barh(names, [r["acc"][0] for r in result["runs"].values()], color="#37a")
+    a1.set_xlabel("held-out position-0 accuracy (teacher-forced)")
+    a2.barh(names, [r["tokens_per_s"] for r in result["runs"].values()], color="#a52")
+    a2.set_xlabel("training tokens/s (one core)")
+    a1.set_title(f"{result['minutes']} min per arm, host {' '.join(result['host'])}", fontsize=8)
+    for a in (a1, a2):
+        a.grid(alpha=.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    torch.set_num_threads(1)
+    res = train_arm(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+    print("RESULT " + json.dumps(res), flush=True)
