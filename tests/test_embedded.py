@@ -38,12 +38,14 @@ def test_bf16_verifier_made_batch_invariant_on_real_shapes(one_thread):
     forwards bit for bit once the verifier is batch invariant (the Speculator does this for a
     bf16/fp16 verifier). Without it, on this project's AVX512-BF16 CPU the logits differed by up
     to 0.6 and greedy speculative outputs diverged from plain decoding on 4 of 8 prompts (the
-    tiny test models are too small to show it)."""
+    tiny test models are too small to show it). On an AVX2-only CPU (no oneDNN bf16 kernels)
+    the masked one-matmul attention alone broke it at the second prompt (layer 1, one token):
+    there each verified token attends on its own."""
     from transformers import DynamicCache
     model = verifier.load_verifier(verifier.EMBEDDED_VERIFIER, torch.bfloat16)
     verifier.make_batch_invariant(model)
     g = torch.Generator().manual_seed(0)
-    for trial in range(3):
+    for trial in range(2):      # prompts of 60 and 100 tokens
         prompt = torch.randint(100, 5000, (1, 60 + 40 * trial), generator=g)
         nxt = torch.randint(100, 5000, (1, 9), generator=g)
         with torch.no_grad():

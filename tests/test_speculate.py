@@ -196,7 +196,7 @@ def test_sampling_matches_the_verifier_distribution(top_p):
     """Rejection sampling keeps the verifier's distribution: the tokens at steps 1-3 over many
     seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
     the drafter's own proposals (what an accept-everything bug would emit) clearly do not."""
-    vocab, n, steps, temp = 12, 1500, 3, 1.0
+    vocab, n, steps, temp = 12, 800, 3, 1.0
     # 4 layers: the smallest verifier with 3 distinct aux ids >= 1 (verifier.check_layer_ids);
     # seed 3: a drafter far enough from this verifier for the power check below
     model, drafter = tiny_pair(vocab=vocab, layers=4, hidden=32, head_scale=12.0, seed=3)
