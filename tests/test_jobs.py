@@ -48,11 +48,12 @@ def head(tmp_path_factory):
     else:
         raise RuntimeError(f"head did not come up: {(d / 'head.log').read_text()[-2000:]}")
     yield address, env
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)   # a graceful stop takes ~30 s on 2 cores: 10, then kill
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def submit(head, *args, timeout=600):
