@@ -226,17 +226,18 @@ INVARIANT_ATTENTION = "eagle3_batch_invariant"
 def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None,
                               dropout=0.0, **kwargs):
     """Causal attention for one unpadded sequence whose every query row computes what it would
-    in a one-token forward. Where oneDNN has kernels for the dtype (fp32; bf16 on AVX512-BF16 /
-    AMX): scores against all cached keys (one matmul per KV head), the keys a row may not see
-    masked to -inf after the matmul, softmax, then probabilities @ values; a masked key adds an
-    exact 0 to each of a row's sums and those matmuls' per-element results depend neither on the
-    rows nor on the keys they carry (checked bit for bit on CPU bf16: 2-33 rows, 1 and 2
-    threads). Elsewhere (bf16 on an AVX2-only CPU: ATen's fallback GEMM sums over the keys in
-    an order set by their count; on SmolLM2 a 9-token verify then differed from 9 decode steps
-    in layer 1) each token attends on its own to exactly the keys it sees: the shapes, and so
-    the kernels, of a one-token forward. A fused kernel (SDPA) blocks its softmax over the keys
-    differently per query length and does neither. A prefill (no cache) is shared by every path
-    and stays fused. tests/test_speculate.py, tests/test_embedded.py.
+    in a one-token forward. On GPUs and where oneDNN has CPU kernels for the dtype (fp32; bf16
+    on AVX512-BF16 / AMX): scores against all cached keys (one matmul per KV head), the keys a
+    row may not see masked to -inf after the matmul, softmax, then probabilities @ values; a
+    masked key adds an exact 0 to each of a row's sums and those matmuls' per-element results
+    depend neither on the rows nor on the keys they carry (checked bit for bit on CPU bf16:
+    2-33 rows, 1 and 2 threads). On other CPUs (bf16 on an AVX2-only one: ATen's fallback GEMM
+    sums over the keys in an order set by their count; on SmolLM2 a 9-token verify then
+    differed from 9 decode steps in layer 1) each token attends on its own to exactly the keys
+    it sees: the shapes, and so the kernels, of a one-token forward. A fused kernel (SDPA)
+    blocks its softmax over the keys differently per query length and does neither. A prefill
+    (no cache) is shared by every path and stays fused. tests/test_speculate.py and
+    tests/test_embedded.py.
     query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D] (transformers' interface)."""
     b, nh, q, d = query.shape
     nkv, kv = key.shape[1], key.shape[2]
@@ -250,7 +251,7 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         return out.transpose(1, 2), None
     g = nh // nkv                                              # query heads per KV head
     scale = scaling if scaling is not None else d ** -0.5
-    if q > 1 and query.dtype not in _packable_dtypes():        # one token at a time
+    if q > 1 and query.is_cpu and query.dtype not in _packable_dtypes():  # a token at a time
         outs = [batch_invariant_attention(module, query[:, :, i:i + 1], key[:, :, :kv - q + i + 1],
                                           value[:, :, :kv - q + i + 1], None, scale)[0]
                 for i in range(q)]
