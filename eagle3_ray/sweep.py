@@ -18,27 +18,26 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 
 import torch
 
-from eagle3_ray import draft, schema, train, ttt, verifier, vocab
+from eagle3_ray import draft, schema, train, ttt
 
 
 def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4) -> dict:
     """One arm in this process: train for `minutes`, evaluate held-out -> metrics."""
-    cfg = replace(train.TrainConfig(dataset=dataset), **overrides, max_minutes=minutes,
-                  max_steps=10**9)
-    train.check_config(cfg)
+    with tempfile.TemporaryDirectory() as run_dir:     # prepare() writes vocab.json there
+        cfg = replace(train.TrainConfig(dataset=dataset, output=run_dir), **overrides,
+                      max_minutes=minutes, max_steps=10**9)
+        setup = train.prepare(cfg)                     # the checks and draft vocab of `train`
+    cfg = replace(cfg, output="")                      # nothing is written for an arm
     torch.manual_seed(cfg.seed)
-    manifest = schema.read_manifest(dataset)
-    config = verifier.load_config(cfg.verifier)
+    manifest, dcfg = setup["manifest"], draft.DraftConfig(**setup["draft_config"])
     column = train.vocab_column(cfg, schema.stores_target_ids(manifest))
-    counts = vocab.count_tokens(dataset, config.vocab_size, column)
-    d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, config.vocab_size))
-    dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
-                                                  manifest["facts"]["aux_layer_ids"])
+    d2t, t2d = train.mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
     drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=False,
                                            init=cfg.init)
     names = [f["name"] for f in manifest["files"]]
