@@ -396,7 +396,10 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     measurement: this machine's verify/draft times are measured first (planner.
     measure_speculator), acceptance per position is counted over the runs. simulate: a node
     profile whose all-reduce time every verify also sleeps (a SIMULATION of that node's
-    interconnect). dynamic: also a run with per-request dynamic depth (planner.DynamicDepth).
+    interconnect). dynamic: also a run with per-request dynamic depth (planner.DynamicDepth)
+    and one with confidence-gated chains ("gated": depth up to the deepest fixed one, each
+    chain stopped where the drafter's own chain probability falls below planner.
+    chain_threshold of this machine's costs).
     peers: also transformers' own greedy `generate` and its prompt-lookup speculation with each
     k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
     the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
@@ -439,11 +442,13 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = data.heldout_prompts(tok, prompts)
-    ours = list(depths) + (["dynamic"] if dynamic else [])
+    ours = list(depths) + (["dynamic", "gated"] if dynamic else [])
+    gate = planner.chain_threshold(profile, max_depth)
     names = ours + list(peer_ks)                          # every arm, interleaved per prompt
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
                 "drafted": 0, "verify_s": 0.0, "draft_s": 0.0, "outputs": [],
                 "drafted_at": [0] * max_depth, "accepted_at": [0] * max_depth} for d in ours}
+    calib = []          # (the drafter's chain probability of drafts 1..k, all k accepted?)
     for i, prompt in enumerate([ps[0]] + ps):            # the first prompt once more as warm-up
         order = names[i % len(names):] + names[:i % len(names)]
         for d in order:
@@ -456,9 +461,10 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                     s["tokens"] += len(got["tokens"])
                     s["outputs"].append(got["tokens"])
                 continue
-            depth = planner.DynamicDepth(profile, prior, max_depth) if d == "dynamic" else d
+            depth = {"dynamic": lambda: planner.DynamicDepth(profile, prior, max_depth),
+                     "gated": lambda: max_depth}.get(d, lambda: d)()
             t0, out, rounds = time.perf_counter(), [], []
-            for r in dec.generate(prompt, sp, depth):
+            for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -475,9 +481,12 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 s["drafted"] += r.drafted
                 s["verify_s"] += r.verify_s
                 s["draft_s"] += r.draft_s
+                chain = 1.0
                 for k in range(r.drafted):
                     s["drafted_at"][k] += 1
                     s["accepted_at"][k] += k < r.accepted
+                    chain *= r.draft_probs[k]
+                    calib.append((chain, k < r.accepted))
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
     # the machine drifts over minutes (shared, turbo): predict with times measured before and
     # after the runs, averaged
@@ -506,7 +515,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                "identical_to_depth0": s["outputs"] == base["outputs"],
                "mismatched_prompts": [j for j, (a, b) in enumerate(zip(s["outputs"],
                                                                        base["outputs"])) if a != b]}
-        if d != "dynamic":
+        if d not in ("dynamic", "gated"):
             p = pred["depths"][d]
             row.update(predicted_tokens_per_s=p["tokens_per_s"],
                        predicted_acceptance_length=p["accept_len"],
@@ -522,6 +531,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
               "simulated_interconnect": simulate,
               "runs": result_runs, "best_depth": best["depth"], "best_speedup": best["speedup"],
               "all_identical": all(r["identical_to_depth0"] for r in result_runs.values()),
+              "calibration": calibration(calib),
               "planner": {"chosen_depth": chosen, "two_fastest_measured": measured[:2],
                           "chosen_among_two_fastest": chosen in measured[:2],
                           "max_abs_error": max(abs(result_runs[str(d)]["predicted_error"])
@@ -537,8 +547,10 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                       "machine's verify/draft times measured before and after the runs"
                       + (f" + the SIMULATED interconnect of {simulate})" if simulate else ")")}
     if dynamic:
-        d = result_runs["dynamic"]
-        d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+        for name in ("dynamic", "gated"):
+            d = result_runs[name]
+            d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+        result_runs["gated"]["chain_threshold"] = gate
     if peers:
         result["peers"] = _peer_rows(peer_runs, peer_ks, result_runs[str(depths[0])],
                                      base["outputs"], len(ps))
@@ -568,7 +580,23 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
               f"decode {r['decode_tokens_per_s']:.1f} tok/s (x{r['decode_speedup']:.2f}){extra}, "
               f"identical {r['identical_prompts']}/{r['prompts']}")
     print(f"[bench] planner chose depth {chosen}; fastest measured {measured[:2]}")
+    print("[bench] served acceptance by the drafter's chain probability: " + ", ".join(
+        f"[{c['chain_prob_from']:g},{c['chain_prob_to']:g}) {c['accepted_rate']:.2f} "
+        f"({c['drafts']})" for c in result["calibration"] if c["drafts"]))
     return result
+
+
+def calibration(pairs, edges=(0, .05, .1, .2, .3, .5, .7, .9, 1.0)) -> list[dict]:
+    """(chain probability, all accepted) pairs of every drafted position -> per bin of the
+    drafter's chain probability: how often the chain through that draft was accepted. What
+    confidence-gated drafting relies on: a calibrated drafter has rate ~ mean_chain_prob."""
+    rows = []
+    for lo, hi in zip(edges, edges[1:]):
+        got = [(c, hit) for c, hit in pairs if lo <= c < hi or (hi == edges[-1] and c == hi)]
+        rows.append({"chain_prob_from": lo, "chain_prob_to": hi, "drafts": len(got),
+                     "mean_chain_prob": sum(c for c, _ in got) / len(got) if got else None,
+                     "accepted_rate": sum(h for _, h in got) / len(got) if got else None})
+    return rows
 
 
 def _peer_rows(peer_runs: dict, peer_ks: dict, depth0: dict, depth0_outputs: list,
@@ -600,17 +628,20 @@ def _plot_serve(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    runs = sorted((r for r in result["runs"].values() if r["depth"] != "dynamic"),
-                  key=lambda r: r["depth"])
+    runs = sorted((r for r in result["runs"].values()
+                   if r["depth"] not in ("dynamic", "gated")), key=lambda r: r["depth"])
     ds = [r["depth"] for r in runs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(ds, [r["decode_tokens_per_s"] for r in runs], "o-", color="#37a", label="measured")
     a1.plot(ds, [r["predicted_tokens_per_s"] for r in runs], "s--", color="#e83",
             label="predicted (planner)")
-    dyn = result["runs"].get("dynamic")
+    dyn, gated = result["runs"].get("dynamic"), result["runs"].get("gated")
     if dyn:
         a1.axhline(dyn["decode_tokens_per_s"], color="#3a5", ls=":",
                    label=f"dynamic depth (mean {dyn['mean_depth']:.1f})")
+    if gated:
+        a1.axhline(gated["decode_tokens_per_s"], color="#c80", ls=":",
+                   label=f"confidence-gated (mean depth {gated['mean_depth']:.1f})")
     peers = list(result.get("peers", {}).values())      # transformers' arms: horizontal lines
     styles = [("#777", "-."), ("#a3c", "--"), ("#c39", ":"), ("#5aa", "-.")]
     for j, r in enumerate(peers):
@@ -622,7 +653,7 @@ def _plot_serve(result: dict, path: str) -> None:
         if k:
             a2.axhline(r["acceptance_length"], color=color, ls=ls, lw=1, label=label)
     if peers:                                              # room above the lines for the legend
-        top = max([r["decode_tokens_per_s"] for r in peers + runs + ([dyn] if dyn else [])]
+        top = max([r["decode_tokens_per_s"] for r in peers + runs + [x for x in (dyn, gated) if x]]
                   + [r["predicted_tokens_per_s"] for r in runs])
         a1.set_ylim(0, top * 1.7)
     sim = result.get("simulated_interconnect")

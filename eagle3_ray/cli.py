@@ -161,8 +161,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-depth", type=int, default=16, help="bound of per-request depth")
     p.add_argument("--dynamic-depth", action="store_true", help="requests without "
                    "speculation_depth get each round's depth from their acceptance (planner)")
-    p.add_argument("--profile", help="node profile for --dynamic-depth (default: measured at "
-                   "start)")
+    p.add_argument("--draft-gate", action="store_true", help="confidence-gated chains: each "
+                   "round's chain stops where the drafter's own chance that all its drafts are "
+                   "accepted no longer pays for one more draft; the depth is the cap (with "
+                   "--dynamic-depth: --max-depth)")
+    p.add_argument("--profile", help="node profile for --dynamic-depth / --draft-gate (default: "
+                   "measured at start)")
     p.add_argument("--simulate-interconnect", metavar="PROFILE", help="SIMULATION: add this node "
                    "profile's all-reduce time to every verify")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
@@ -189,7 +193,7 @@ def serve_config(a: argparse.Namespace):
     return ServeConfig(
         verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
         depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
-        dynamic_depth=a.dynamic_depth, profile=a.profile,
+        dynamic_depth=a.dynamic_depth, draft_gate=a.draft_gate, profile=a.profile,
         simulate_interconnect=a.simulate_interconnect,
         gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
         node_resource=a.node_resource, num_replicas=a.num_replicas,

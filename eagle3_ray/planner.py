@@ -272,6 +272,21 @@ def round_s(profile: NodeProfile, k: int) -> float:
     return k * draft_s(profile) + verify_s(profile, k + 1)
 
 
+def chain_threshold(profile: NodeProfile, max_depth: int) -> float:
+    """Confidence-gated drafting: the chance that a round's drafts so far are all accepted
+    below which one more draft costs more than it is expected to bring — a draft step plus one
+    more verified token (the least-squares slope of the verify curve over 1..max_depth+1
+    tokens: a measured curve is noisy point to point), over the time a token takes at depth 0.
+    Speculator.generate's min_chain_prob, with the drafter's own probabilities of its drafts
+    as that chance."""
+    ks = list(range(1, max_depth + 2))
+    ts = [verify_s(profile, k) for k in ks]
+    mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
+    slope = (sum((k - mk) * (t - mt) for k, t in zip(ks, ts))
+             / max(sum((k - mk) ** 2 for k in ks), 1e-12))        # seconds per verified token
+    return (draft_s(profile) + max(0.0, slope)) / round_s(profile, 0)
+
+
 def extend_acceptance(cond_acc: list[float], depth: int, window: int = EXTRAPOLATION_WINDOW,
                       decay: float = EXTRAPOLATION_DECAY) -> tuple[list[float], list[bool]]:
     """Conditional acceptance for positions 0..depth-1 -> (a, extrapolated flags).

@@ -52,6 +52,11 @@ class ServeConfig:
     max_depth: int = 16                   # bound of the per-request `speculation_depth`
     dynamic_depth: bool = False           # requests without speculation_depth: each round's
                                           # depth from their acceptance so far (planner)
+    draft_gate: bool = False              # confidence-gated chains: each round's chain stops
+                                          # where the drafter's own chance that all its drafts
+                                          # are accepted no longer pays for one more draft
+                                          # (planner.chain_threshold); the depth is the cap,
+                                          # max_depth for requests with dynamic depth
     profile: str | None = None            # node profile dynamic depth plans with (name/path);
                                           # None = measured on the replica at start
     simulate_interconnect: str | None = None  # SIMULATION: a node profile whose all-reduce
@@ -213,18 +218,18 @@ class Metrics:
 # --- the engine (no Ray, no HTTP) ------------------------------------------------------------
 
 def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
-    """The simulated interconnect (if asked) goes onto the Speculator; for dynamic depth, the
-    node profile it plans with and the drafter's trained acceptance as the prior -> (profile,
-    prior), or (None, None) when the depth is fixed."""
+    """The simulated interconnect (if asked) goes onto the Speculator; for dynamic depth or
+    the draft gate, the node profile they plan with and the drafter's trained acceptance as
+    the prior -> (profile, prior), or (None, None) when the depth is fixed."""
     node = planner.load_profile(cfg.simulate_interconnect) if cfg.simulate_interconnect else None
     if node:
         spec.simulated_comm = functools.partial(planner.comm_s, node)
         log.warning(f"SIMULATION: every verify sleeps the all-reduce time of {node.name} "
                     f"({planner.comm_s(node, 1) * 1e3:.2f} ms for one token)")
-    if not cfg.dynamic_depth:
+    if not (cfg.dynamic_depth or cfg.draft_gate):
         return None, None
     if not spec.drafter:
-        raise ValueError("dynamic_depth needs a drafter (--drafter)")
+        raise ValueError("dynamic_depth and draft_gate need a drafter (--drafter)")
     if cfg.profile:
         profile = planner.load_profile(cfg.profile)
     else:   # measured here, on this replica's verifier and drafter
@@ -268,6 +273,8 @@ class Engine:
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         self.depth_profile, self.prior = depth_planning(cfg, self.spec)
+        self.gate = (planner.chain_threshold(self.depth_profile, cfg.max_depth)
+                     if cfg.draft_gate else 0.0)   # Speculator.generate's min_chain_prob
         if self.ttt_steps and cfg.depth > self.ttt_steps:
             log.warning(f"default depth {cfg.depth} > the drafter's trained ttt_steps "
                         f"{self.ttt_steps}: positions past it are extrapolation")
@@ -332,7 +339,8 @@ class Engine:
                                 f"tokens; the prompt has {n_prompt} and max_tokens is "
                                 f"{max_tokens}", "max_tokens", code="context_length_exceeded")
         if req.speculation_depth is None and self.cfg.dynamic_depth:
-            depth = planner.DynamicDepth(self.depth_profile, self.prior, self.cfg.max_depth)
+            depth = (self.cfg.max_depth if self.cfg.draft_gate else   # the gate picks the depth
+                     planner.DynamicDepth(self.depth_profile, self.prior, self.cfg.max_depth))
         else:
             depth = self.cfg.depth if req.speculation_depth is None else req.speculation_depth
             if not 0 <= depth <= self.cfg.max_depth or (depth and not self.spec.drafter):
@@ -351,21 +359,25 @@ class Engine:
         return None
 
 
-def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | None) -> dict:
+def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | None,
+          gated: bool = False) -> dict:
     """OpenAI usage + this request's speculation stats (rounds after the prefill). `depth`: an
-    int, or a dynamic-depth policy (reported as "dynamic", with the mean depth per round)."""
+    int, or a dynamic-depth policy (reported as "dynamic", with the mean depth per round);
+    gated: chains were confidence-gated (`depth` their cap; the mean depth is reported)."""
     out = sum(len(r.tokens) for r in rounds)
     verify = rounds[1:]
     drafted = sum(r.drafted for r in verify)
     accepted = sum(r.accepted for r in verify)
-    deepest = max([r.drafted for r in verify], default=0) if callable(depth) else depth
+    deepest = max([r.drafted for r in verify], default=0) if callable(depth) or gated else depth
     spec = {"depth": "dynamic" if callable(depth) else depth, "rounds": len(verify),
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_length": (accepted + len(verify)) / max(1, len(verify)),
             "accepted_per_position": [sum(r.accepted > k for r in verify)
                                       for k in range(deepest)]}
-    if callable(depth):
+    if callable(depth) or gated:
         spec["mean_depth"] = drafted / max(1, len(verify))
+    if gated:
+        spec["gated"] = True
     if warning:
         spec["warning"] = warning
     return {"prompt_tokens": n_prompt, "completion_tokens": out,
@@ -381,7 +393,7 @@ class _Job:
                  warning, include_usage):
         self.server, self.prompt, self.depth, self.endpoint = server, prompt, depth, endpoint
         self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
-        self.gen = server.engine.spec.generate(prompt, sp, depth)
+        self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate)
         self.text = speculate.TextStream(server.engine.tok, stop)
         self.rounds: list[speculate.Round] = []
         self.closed = False
@@ -407,7 +419,8 @@ class _Job:
                 return "".join(out), reason
 
     def usage(self) -> dict:
-        return usage(len(self.prompt), self.rounds, self.depth, self.warning)
+        return usage(len(self.prompt), self.rounds, self.depth, self.warning,
+                     bool(self.server.engine.gate))
 
     def close(self, status: str) -> None:
         if self.closed:

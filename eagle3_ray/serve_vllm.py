@@ -110,9 +110,10 @@ def refuse_api_key(cfg) -> None:
             "api_key is set (cfg.api_key or EAGLE3_RAY_API_KEY), but ray.serve.llm's OpenAI app "
             "(Ray 2.60) checks no API key: refusing to serve without it. Put an authenticating "
             "gateway in front and unset the key, or use --engine builtin")
-    if cfg.dynamic_depth or cfg.simulate_interconnect:
-        raise ValueError("dynamic_depth and simulate_interconnect are features of the builtin "
-                         "engine; vLLM serves the fixed depth (num_speculative_tokens)")
+    if cfg.dynamic_depth or cfg.draft_gate or cfg.simulate_interconnect:
+        raise ValueError("dynamic_depth, draft_gate and simulate_interconnect are features of "
+                         "the builtin engine; vLLM serves the fixed depth "
+                         "(num_speculative_tokens)")
 
 
 def tensor_parallel_size(cfg) -> int:

@@ -42,6 +42,7 @@ class Round:
     finish_reason: str | None = None      # "stop" (EOS) | "length" (max_tokens) | None
     verify_s: float = 0.0                 # wall time of the verifier forward
     draft_s: float = 0.0                  # wall time of the drafter's steps
+    draft_probs: tuple[float, ...] = ()   # the drafter's probability of each of its drafts
 
 
 @dataclass
@@ -164,22 +165,30 @@ class Speculator:
         return out, self.drafter.logits(out)[0, -1].float()               # [Vd]
 
     def _propose(self, logits_d: torch.Tensor, sp: SamplingParams, gen):
-        """Draft-vocab logits -> (target token id, q over the full vocab or None if greedy)."""
+        """Draft-vocab logits -> (target token id, q over the full vocab or None if greedy,
+        the drafter's probability of that token: its confidence)."""
         if sp.temperature == 0:
-            return int(self.drafter.draft_to_target(logits_d.argmax())), None
+            p_d = logits_d.softmax(-1)                                    # [Vd]
+            i = p_d.argmax()
+            return int(self.drafter.draft_to_target(i)), None, float(p_d[i])
         q_d = probs(logits_d, sp.temperature, sp.top_p)                   # [Vd]
         i = torch.multinomial(q_d, 1, generator=gen)[0]
         q = torch.zeros(self.drafter.t2d.shape[0], device=q_d.device)     # [V]
         q[self.drafter.draft_to_target(torch.arange(len(q_d), device=q_d.device))] = q_d
-        return int(self.drafter.draft_to_target(i)), q
+        return int(self.drafter.draft_to_target(i)), q, float(q_d[i])
 
     # --- one request ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], sp: SamplingParams, depth: int = 0) -> Iterator[Round]:
+    def generate(self, prompt: list[int], sp: SamplingParams, depth: int = 0,
+                 min_chain_prob: float = 0.0) -> Iterator[Round]:
         """Yield Rounds until EOS or max_tokens; the caller may stop early (stop strings, a
         disconnected client) by closing the generator. `depth` may also be a callable
-        (stats so far: list[Round]) -> int, for a depth chosen per round."""
+        (stats so far: list[Round]) -> int, for a depth chosen per round.
+        min_chain_prob: a round's chain stops before draft k once the product of the
+        drafter's own probabilities of drafts 1..k (its estimate that all of them are
+        accepted) is below it (planner.chain_threshold); `depth` is then the cap. The stop looks at the drafts only, never at the verifier, so greedy
+        output and the sampling distribution stay exactly the verifier's."""
         if not prompt:
             raise ValueError("empty prompt")
         if sp.max_tokens <= 0:
@@ -206,13 +215,17 @@ class Speculator:
                 return
             d = depth(history) if callable(depth) else depth
             t0 = time.perf_counter()
-            drafts, qs = [], []
+            drafts, qs, confs, chain = [], [], [], 1.0
             if d > 0:
                 h, logits_d = self._draft_step(absorb, absorb_aux, kv)
                 for i in range(d):
-                    tok, q = self._propose(logits_d, sp, gen)
+                    tok, q, conf = self._propose(logits_d, sp, gen)
+                    chain *= conf
+                    if chain < min_chain_prob:
+                        break                      # not worth its verify: the chain ends here
                     drafts.append(tok)
                     qs.append(q)
+                    confs.append(conf)
                     if i + 1 < d:
                         h, logits_d = self._draft_step([tok], h, kv)
             t1 = time.perf_counter()
@@ -228,7 +241,7 @@ class Speculator:
             elif self.drafter is not None:                 # a depth-0 round: absorb later
                 absorb, absorb_aux = absorb + new, torch.cat([absorb_aux, aux[:, :a + 1]], 1)
             x = bonus
-            r = self._emit(new, d, a, sp, emitted, t2 - t1, t1 - t0)
+            r = self._emit(new, len(drafts), a, sp, emitted, t2 - t1, t1 - t0, tuple(confs))
 
     def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> int:
         if sp.temperature == 0:
@@ -255,7 +268,8 @@ class Speculator:
         return len(drafts), self._pick(logits[len(drafts)], sp, gen)
 
     @staticmethod
-    def _emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s):
+    def _emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s,
+              draft_probs=()):
         reason = None
         for i, t in enumerate(tokens):
             if t in sp.eos_ids:
@@ -263,7 +277,7 @@ class Speculator:
                 break
         if reason is None and emitted + len(tokens) >= sp.max_tokens:
             tokens, reason = tokens[:sp.max_tokens - emitted], "length"
-        return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s)
+        return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s, draft_probs)
 
 
 class TextStream:

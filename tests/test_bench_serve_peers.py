@@ -64,9 +64,12 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     assert os.path.getsize(os.path.join(out, "serve.png")) > 0
     printed = capsys.readouterr().out
     assert "[bench] serve peer generate:" in printed and "identical 2/2" in printed
-    r = bench.bench_serve(drafter_dir, depths=(0, 1), prompts=1, max_tokens=4, out_dir=out,
-                          spec=tiny_verifier, dynamic=False, peers=False)
-    assert "peers" not in r
+    r = bench.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
+                          spec=tiny_verifier, dynamic=True, peers=False)
+    assert "peers" not in r and r["all_identical"]      # the dynamic and gated arms too
+    gated = r["runs"]["gated"]
+    assert 0 < gated["chain_threshold"] < 1
+    assert 0 <= gated["mean_depth"] <= 3 and "predicted_tokens_per_s" not in gated
 
 
 def test_bench_serve_flags():

@@ -460,3 +460,18 @@ def test_allreduce_curve_measured_between_processes(tmp_path):
     assert q.interconnect.allreduce_us == p.interconnect.allreduce_us
     for t in P.CURVE_TOKENS:
         assert P.comm_s(q, t) == pytest.approx(18 * p.interconnect.allreduce_us[t * 128] * 1e-6)
+
+
+def test_chain_threshold_prices_one_more_draft_against_a_decode_step():
+    """min_chain_prob for confidence-gated chains: (draft step + the verify curve's slope per
+    token) / a depth-0 round, the slope fitted over the whole curve so one noisy point does
+    not move it much."""
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    line = P.single_device_profile("line", {1: 10.0, 17: 26.0}, 0.5, cfg)  # 1 ms/token
+    assert P.chain_threshold(line, 16) == pytest.approx((0.5 + 1.0) / 10.0)
+    noisy = P.single_device_profile(
+        "noisy", {k: 10.0 + (k - 1) + (-4.0 if k == 4 else 0.0) for k in range(1, 18)}, 0.5, cfg)
+    assert P.chain_threshold(noisy, 16) == pytest.approx(0.15, abs=0.01)
+    flat = P.single_device_profile("flat", {1: 10.0, 17: 8.0}, 0.5, cfg)  # never < 0
+    assert P.chain_threshold(flat, 16) == pytest.approx(0.05)

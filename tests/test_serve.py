@@ -309,3 +309,27 @@ def test_engine_dynamic_depth_over_a_simulated_interconnect(tiny_verifier, tmp_p
     assert spec["mean_depth"] == sum(policy.depths[:len(rounds) - 1]) / (len(rounds) - 1)
     fixed = serve.ChatRequest(model=MODEL, messages=req.messages, speculation_depth=2)
     assert eng.sampling(fixed, len(prompt))[1] == 2
+
+
+def test_engine_draft_gate_caps_at_max_depth_and_keeps_output(tiny_verifier, tmp_path, one_thread):
+    """--draft-gate: the chain thresholds come from the replica's measured costs; a request with
+    dynamic depth gets max_depth as the cap and the gate picks each round's depth; greedy output
+    is plain decoding's and the usage reports the mean depth."""
+    from eagle3_ray import planner
+    drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
+    eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
+                                   max_depth=5, dynamic_depth=True, draft_gate=True,
+                                   torch_threads=1))
+    assert 0 < eng.gate == planner.chain_threshold(eng.depth_profile, 5)
+    req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                            temperature=0, max_tokens=10)
+    prompt = eng.prompt_ids(req)
+    sp, depth, _ = eng.sampling(req, len(prompt))
+    assert depth == 5
+    rounds = list(eng.spec.generate(prompt, sp, depth, eng.gate))
+    plain = [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
+    assert [t for r in rounds for t in r.tokens] == plain
+    assert all(0 <= r.drafted <= 5 and len(r.draft_probs) == r.drafted for r in rounds)
+    spec = serve.usage(len(prompt), rounds, depth, None, gated=True)["speculation"]
+    assert spec["gated"] and spec["depth"] == 5
+    assert spec["mean_depth"] == sum(r.drafted for r in rounds[1:]) / (len(rounds) - 1)

@@ -29,9 +29,9 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
     return model, drafter
 
 
-def run(spec: Speculator, prompt, sp: SamplingParams, depth):
+def run(spec: Speculator, prompt, sp: SamplingParams, depth, min_chain_prob=0.0):
     out, rounds = [], []
-    for r in spec.generate(prompt, sp, depth):
+    for r in spec.generate(prompt, sp, depth, min_chain_prob):
         out += r.tokens
         rounds.append(r)
     return out, rounds
@@ -61,6 +61,17 @@ def test_greedy_equals_plain_decoding_at_every_depth():
         out, rounds = run(spec, prompt, sp, policy)
         assert out == base and [r.drafted for r in rounds[1:]] == policy.depths[:len(rounds) - 1]
         assert policy.depths[0] > 1 and all(0 <= d <= 8 for d in policy.depths)
+        # confidence-gated chains (depth 8 the cap): same output, shorter chains
+        for gate in (0.05, 0.5):
+            out, rounds = run(spec, prompt, sp, 8, gate)
+            assert out == base, (i, gate)
+            drafted = [r.drafted for r in rounds[1:]]
+            assert all(0 <= d <= 8 for d in drafted) and all(r.accepted <= r.drafted
+                                                             for r in rounds)
+            if gate == 0.5:        # a random drafter is rarely that sure: most chains stop early
+                assert min(drafted) < 8 and sum(drafted) < 8 * len(drafted) / 2, drafted
+        out, rounds = run(spec, prompt, sp, 8, 1.01)   # no chain is that sure: depth 0 rounds
+        assert out == base and all(r.drafted == 0 for r in rounds)
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -191,11 +202,13 @@ def chi2(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(((o - e) ** 2 / e).sum())
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampling_matches_the_verifier_distribution(top_p):
+@pytest.mark.parametrize("top_p,gate", [(1.0, 0.0), (0.8, 0.0), (1.0, 0.03)])
+def test_sampling_matches_the_verifier_distribution(top_p, gate):
     """Rejection sampling keeps the verifier's distribution: the tokens at steps 1-3 over many
     seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
-    the drafter's own proposals (what an accept-everything bug would emit) clearly do not."""
+    the drafter's own proposals (what an accept-everything bug would emit) clearly do not.
+    Also with confidence-gated chains (gate: min_chain_prob), whose length depends on the
+    drafts."""
     vocab, n, steps, temp = 12, 800, 3, 1.0
     # 4 layers: the smallest verifier with 3 distinct aux ids >= 1 (verifier.check_layer_ids);
     # seed 3: a drafter far enough from this verifier for the power check below
@@ -204,15 +217,17 @@ def test_sampling_matches_the_verifier_distribution(top_p):
     prompt = [1, 5, 7]
     exact = exact_marginals(model, prompt, temp, top_p, steps)
     counts = [torch.zeros(vocab, dtype=torch.float64) for _ in range(steps)]
-    drafted = accepted = 0
+    drafted = accepted = short = 0
     for seed in range(n):
         out, rounds = run(spec, prompt, SamplingParams(max_tokens=steps, temperature=temp,
-                                                       top_p=top_p, seed=seed), 3)
+                                                       top_p=top_p, seed=seed), 3, gate)
         for k, t in enumerate(out):
             counts[k][t] += 1
         drafted += sum(r.drafted for r in rounds)
         accepted += sum(r.accepted for r in rounds)
+        short += sum(r.drafted < 3 for r in rounds[1:])
     assert 0.1 < accepted / drafted < 0.95          # both branches (accept, resample) exercised
+    assert (short > 0) == (gate > 0)                # the gate cut some chains short
     critical = 45.3  # chi-square, df <= 20, p = 0.001 (fixed seeds: deterministic)
     for k in range(steps):
         assert chi2(counts[k], exact[k]) < critical, k
@@ -224,7 +239,7 @@ def test_sampling_matches_the_verifier_distribution(top_p):
             logits, aux = spec._verify(prompt, __import__("transformers").DynamicCache())
             x = spec._pick(logits[-1], SamplingParams(temperature=temp, top_p=top_p), gen)
             _, ld = spec._draft_step(prompt[1:] + [x], aux, speculate.DraftKV())
-            tok, _ = spec._propose(ld, SamplingParams(temperature=temp, top_p=top_p), gen)
+            tok, _, _ = spec._propose(ld, SamplingParams(temperature=temp, top_p=top_p), gen)
         q[tok] += 1
     assert chi2(q, exact[1]) > 3 * critical
 
