@@ -852,15 +852,18 @@ def measure_allreduce_curve(procs: int, sizes, backend: str = "nccl",
 def fit_alpha_beta(curve: dict[int, float], gpus: int) -> tuple[float, float]:
     """(α µs, BW GB/s) of t = α + 2(n−1)/n · bytes / BW fitted to a curve by least squares:
     the fallback a profile keeps next to its curve. A curve that does not grow with the
-    message (noise) gets α = its smallest time and BW as if its largest time were transfer."""
+    message (noise) gets α = its smallest time and BW as if its largest time were transfer.
+    Both to 4 significant digits (a slow, noisy link's BW is far below 0.001 GB/s)."""
     c = 2 * (gpus - 1) / gpus
     xs, ys = [c * b for b in curve], list(curve.values())                 # bytes, µs
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0   # µs/B
     if slope <= 0:
-        return min(ys), max(xs) / (max(ys) * 1e-6) / 1e9
-    return max(0.0, my - slope * mx), 1e6 / slope / 1e9
+        alpha, bw = min(ys), max(xs) / (max(ys) * 1e-6) / 1e9
+    else:
+        alpha, bw = max(0.0, my - slope * mx), 1e6 / slope / 1e9
+    return float(f"{alpha:.4g}"), float(f"{bw:.4g}")
 
 
 def add_allreduce_curve(profile: NodeProfile, procs: int, allreduces_per_forward: int,
@@ -873,7 +876,7 @@ def add_allreduce_curve(profile: NodeProfile, procs: int, allreduces_per_forward
     alpha, bw = fit_alpha_beta(curve, procs)
     return dataclasses.replace(
         profile, gpus=procs, interconnect=dataclasses.replace(
-            profile.interconnect, latency_us=round(alpha, 2), bandwidth_gbps=round(bw, 3),
+            profile.interconnect, latency_us=alpha, bandwidth_gbps=bw,
             allreduces_per_forward=allreduces_per_forward, allreduce_us=curve))
 
 

@@ -381,7 +381,15 @@ def test_allreduce_curve_is_log_log_and_replaces_alpha_beta():
     # the α/β fallback fitted to a curve: exact on α/β data, defined on a curve that falls
     exact = {b: 40.0 + 2 * 7 / 8 * b / 16e9 * 1e6 for b in (2048, 16384, 131072, 473088)}
     assert P.fit_alpha_beta(exact, 8) == pytest.approx((40.0, 16.0))
-    assert P.fit_alpha_beta({1000: 50.0, 2000: 40.0}, 2) == pytest.approx((40.0, 2e3 / 50e-6 / 1e9))
+    assert P.fit_alpha_beta({1000: 50.0, 2000: 40.0}, 2) == pytest.approx((40.0, 2e3 / 50e-6 / 1e9),
+                                                                       rel=1e-3)
+    # a slow, noisy link (gloo between 2 busy CPU processes): its BW stays > 0, a valid profile
+    noisy = {128: 2270.0, 256: 13009.7, 384: 1953.1, 640: 7099.5, 1152: 5145.1, 2176: 3956.4,
+             4224: 3201.0}
+    alpha, bw = P.fit_alpha_beta(noisy, 2)
+    assert alpha == pytest.approx(1953.1, rel=1e-3) and 0 < bw < 1e-3
+    P.profile_from_dict(P.profile_to_dict(profile(gpus=2, interconnect=P.Interconnect(
+        alpha, bw, 18, 64, 2, allreduce_us=noisy))))
 
 
 def test_curve_profile_yaml_round_trip_and_errors(tmp_path):
