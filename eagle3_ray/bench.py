@@ -461,8 +461,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                     s["tokens"] += len(got["tokens"])
                     s["outputs"].append(got["tokens"])
                 continue
-            depth = {"dynamic": lambda: planner.DynamicDepth(profile, prior, max_depth),
-                     "gated": lambda: max_depth}.get(d, lambda: d)()
+            depth = (planner.DynamicDepth(profile, prior, max_depth) if d == "dynamic"
+                     else max_depth if d == "gated" else d)
             t0, out, rounds = time.perf_counter(), [], []
             for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0):
                 out += r.tokens

@@ -272,6 +272,13 @@ def round_s(profile: NodeProfile, k: int) -> float:
     return k * draft_s(profile) + verify_s(profile, k + 1)
 
 
+def _ls_slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0 when the xs do not vary)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
 def chain_threshold(profile: NodeProfile, max_depth: int) -> float:
     """Confidence-gated drafting: the chance that a round's drafts so far are all accepted
     below which one more draft costs more than it is expected to bring — a draft step plus one
@@ -280,10 +287,7 @@ def chain_threshold(profile: NodeProfile, max_depth: int) -> float:
     Speculator.generate's min_chain_prob, with the drafter's own probabilities of its drafts
     as that chance."""
     ks = list(range(1, max_depth + 2))
-    ts = [verify_s(profile, k) for k in ks]
-    mk, mt = sum(ks) / len(ks), sum(ts) / len(ts)
-    slope = (sum((k - mk) * (t - mt) for k, t in zip(ks, ts))
-             / max(sum((k - mk) ** 2 for k in ks), 1e-12))        # seconds per verified token
+    slope = _ls_slope(ks, [verify_s(profile, k) for k in ks])    # seconds per verified token
     return (draft_s(profile) + max(0.0, slope)) / round_s(profile, 0)
 
 
@@ -856,13 +860,12 @@ def fit_alpha_beta(curve: dict[int, float], gpus: int) -> tuple[float, float]:
     Both to 4 significant digits (a slow, noisy link's BW is far below 0.001 GB/s)."""
     c = 2 * (gpus - 1) / gpus
     xs, ys = [c * b for b in curve], list(curve.values())                 # bytes, µs
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0   # µs/B
+    slope = _ls_slope(xs, ys)                                              # µs/B
     if slope <= 0:
         alpha, bw = min(ys), max(xs) / (max(ys) * 1e-6) / 1e9
     else:
-        alpha, bw = max(0.0, my - slope * mx), 1e6 / slope / 1e9
+        alpha = max(0.0, sum(ys) / len(ys) - slope * sum(xs) / len(xs))
+        bw = 1e6 / slope / 1e9
     return float(f"{alpha:.4g}"), float(f"{bw:.4g}")
 
 

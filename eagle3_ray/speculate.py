@@ -187,8 +187,9 @@ class Speculator:
         (stats so far: list[Round]) -> int, for a depth chosen per round.
         min_chain_prob: a round's chain stops before draft k once the product of the
         drafter's own probabilities of drafts 1..k (its estimate that all of them are
-        accepted) is below it (planner.chain_threshold); `depth` is then the cap. The stop looks at the drafts only, never at the verifier, so greedy
-        output and the sampling distribution stay exactly the verifier's."""
+        accepted) is below it (planner.chain_threshold); `depth` is then the cap. The stop
+        looks at the drafts only, never at the verifier, so greedy output and the sampling
+        distribution stay exactly the verifier's."""
         if not prompt:
             raise ValueError("empty prompt")
         if sp.max_tokens <= 0:
