@@ -97,6 +97,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
     p.add_argument("--deep-fraction", type=float, default=d["deep_fraction"],
                    help="run the TTT steps past 0 on this random share of positions (cheaper)")
+    p.add_argument("--feature-weight", type=float, default=d["feature_weight"],
+                   help="add a regression of each step's output to the verifier's last hidden "
+                        "state, with this weight (0 = off)")
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
     p.add_argument("--vocab-from", choices=("auto", "targets", "tokens"), default=d["vocab_from"],
                    help="count the draft vocab over the verifier's argmax (targets) or the "

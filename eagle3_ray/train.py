@@ -56,6 +56,8 @@ class TrainConfig:
                                           # ttt_steps over this share of the training (0 = off)
     deep_fraction: float = 0.25           # share of positions that run the TTT steps past 0
                                           # (random each batch; <1 makes deep steps cheaper)
+    feature_weight: float = 0.0           # weight of the feature regression to the verifier's
+                                          # last hidden state (ttt.ttt_loss); 0 = off
     draft_vocab_size: int = 4096          # reduced draft vocab (<= verifier vocab). The lm_head
                                           # dominates a 1-layer drafter's step: on the embedded
                                           # default 4096 (counted over the verifier's argmax)
@@ -180,6 +182,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
     if not 0 < cfg.deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {cfg.deep_fraction}")
+    if cfg.feature_weight < 0:
+        raise ValueError(f"feature_weight must be >= 0, got {cfg.feature_weight}")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
 
@@ -514,7 +518,7 @@ def train_step(cfg: TrainConfig, model, opt, params, teacher, batch: dict, step:
         loss, m = ttt.ttt_loss(model, teacher, batch, depth_at(cfg, step, train_s),
                                cfg.step_weight_decay, deep_fraction=cfg.deep_fraction,
                                targets=cfg.targets, checkpoint_attention=ckpt,
-                               checkpoint_logits=ckpt)
+                               checkpoint_logits=ckpt, feature_weight=cfg.feature_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

@@ -20,7 +20,12 @@ and on t's own chain, so they can run on a random share of the positions: each d
 costs ~that share, with its loss an unbiased estimate of the full one (step 0 runs everywhere).
 Loss: cross-entropy on the learnable positions of each step (mean) against p_teacher (soft) or
 its argmax, the verifier's greedy token (hard: with target_ids stored the teacher never runs);
-total Σ_k w^k loss_k / Σ_k w^k. lm_head + log_softmax run on gathered valid rows only, in
+total Σ_k w^k loss_k / Σ_k w^k. Optional feature regression (feature_weight > 0, as EAGLE-1/2
+had and EAGLE-3 dropped): step k's output at t is pulled toward the verifier's last hidden
+state at t+1+k, the state whose lm_head row gives the target, with a smooth-L1 loss between the
+two RMS-normalised vectors (direction only: norm + lm_head ignore the scale) on every valid
+position, in vocab or not: a dense signal per position where the cross-entropy has one token.
+lm_head + log_softmax run on gathered valid rows only, in
 chunks that are recomputed in backward (checkpoint_logits) where memory is short, so no [S, Vd]
 fp32 logits are held per step.
 
@@ -208,7 +213,7 @@ TARGETS = ("soft", "hard")
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
              chunk_size: int = 512, checkpoint_attention: bool = True,
              deep_fraction: float = 1.0, generator=None, targets: str = "soft",
-             checkpoint_logits: bool = True):
+             checkpoint_logits: bool = True, feature_weight: float = 0.0):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -229,13 +234,17 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     checks); with target_ids in the batch the teacher is then never run.
     checkpoint_attention / checkpoint_logits: recompute the attention core / the lm_head chunks
     in backward (memory linear in depth, one chunk of logits at a time) or keep them (no second
-    pass: cheaper where compute, not memory, is short, as on CPUs)."""
+    pass: cheaper where compute, not memory, is short, as on CPUs).
+    feature_weight: step k's loss adds feature_weight × the feature regression (module
+    docstring); its mean per step is reported as feat_k (0 when off)."""
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     if not 0 < deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {deep_fraction}")
+    if feature_weight < 0:
+        raise ValueError(f"feature_weight must be >= 0, got {feature_weight}")
     drafter = getattr(model, "module", model)
     dtype = drafter.fc.weight.dtype
     ids = batch["input_ids"].long()                                        # [B, S]
@@ -265,7 +274,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
 
     positions = torch.arange(s, device=ids.device)[None].expand(b, s)     # [B, S]
     attend = DiagonalAttention(real, checkpoint_attention)
-    hidden, losses = aux, []
+    hidden, losses, feats = aux, [], []
     chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
     window = torch.ones(b, s, dtype=torch.bool, device=ids.device)         # steps <= k all valid
     sums = {key: [] for key in COUNT_KEYS}
@@ -283,6 +292,10 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
                                     checkpoint_logits)
         valid, learnable = rows >= 0, learn >= 0
         losses.append(loss_sum / learnable.sum().clamp(min=1))
+        if feature_weight:
+            feat = _feature_loss(hidden, batch["last_hidden_states"], 1 + k, sel, valid)
+            losses[-1] = losses[-1] + feature_weight * feat
+            feats.append(float(feat.detach()))
         with torch.no_grad():  # counts stay tensors: one device sync at the end
             ok = torch.zeros_like(valid)
             ok[learnable] = pred == teacher_top[learn[learnable]]          # in vocab & correct
@@ -308,7 +321,23 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
     metrics = summarize(sums)
     metrics["loss"] = float(loss.detach())
+    metrics["feat_k"] = feats or [0.0] * ttt_steps
     return loss, metrics
+
+
+def _feature_loss(hidden: torch.Tensor, last: torch.Tensor, shift: int, sel, valid):
+    """Mean smooth-L1 between the RMS-normalised drafter outputs hidden [B, S|n, H] and the
+    verifier's last hidden states `shift` positions on (last [B, S, H], gathered at the deep
+    selection `sel` when there is one), over the `valid` [B, S|n] positions."""
+    target = shift_left(last, shift, 0)                                   # [B, S, H]
+    if sel is not None:
+        target = target.gather(1, sel[..., None].expand(-1, -1, target.shape[-1]))
+    h, y = hidden[valid].float(), target[valid].float()                   # [N, H]
+    if len(h) == 0:
+        return hidden.sum() * 0
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)           # unit RMS
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return torch.nn.functional.smooth_l1_loss(h, y)
 
 
 def accept_lengths(cond_acc: list[float]) -> list[float]:

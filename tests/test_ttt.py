@@ -376,3 +376,34 @@ def test_32_steps_run_and_empty_steps_keep_the_graph():
     loss0, m0 = ttt.ttt_loss(drafter, teacher.float(), empty, 2)
     loss0.backward()
     assert float(loss0) == 0.0 and m0["count"] == [0, 0]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_feature_regression_targets_the_next_last_hidden_state(fraction):
+    """feature_weight > 0: step k at t regresses to the verifier's last hidden state at t+1+k,
+    scale-free. A drafter whose step-k outputs are exactly those states (times any scale) has
+    zero feature loss; one position off, it does not. With the weight at 0 the loss is the
+    cross-entropy alone."""
+    drafter, teacher, batch, _ = tiny()
+    steps, w = 3, 2.0
+
+    def gen():  # the same deep selection in both calls
+        return torch.Generator().manual_seed(3)
+    base, m0 = ttt.ttt_loss(drafter, teacher, batch, steps, deep_fraction=fraction,
+                            generator=gen())
+    assert m0["feat_k"] == [0.0] * steps
+    loss, m = ttt.ttt_loss(drafter, teacher, batch, steps, deep_fraction=fraction,
+                           generator=gen(), feature_weight=w)
+    weights = [0.8 ** k for k in range(steps)]
+    extra = sum(wk * w * f for wk, f in zip(weights, m["feat_k"])) / sum(weights)
+    assert float(loss) == pytest.approx(float(base) + extra, rel=1e-9)
+    assert all(f > 0 for f in m["feat_k"])
+    last = batch["last_hidden_states"]
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[:, -2:] = False
+    for shift in (1, 3):
+        exact = 5.0 * ttt.shift_left(last, shift, 0)
+        assert float(ttt._feature_loss(exact, last, shift, None, valid)) < 1e-10
+        assert float(ttt._feature_loss(exact, last, shift + 1, None, valid)) > 0.1
+    with pytest.raises(ValueError, match="feature_weight"):
+        ttt.ttt_loss(drafter, teacher, batch, steps, feature_weight=-1.0)
