@@ -295,7 +295,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
         if feature_weight:
             feat = _feature_loss(hidden, batch["last_hidden_states"], 1 + k, sel, valid)
             losses[-1] = losses[-1] + feature_weight * feat
-            feats.append(float(feat.detach()))
+            feats.append(feat.detach())
         with torch.no_grad():  # counts stay tensors: one device sync at the end
             ok = torch.zeros_like(valid)
             ok[learnable] = pred == teacher_top[learn[learnable]]          # in vocab & correct
@@ -321,7 +321,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
     metrics = summarize(sums)
     metrics["loss"] = float(loss.detach())
-    metrics["feat_k"] = feats or [0.0] * ttt_steps
+    metrics["feat_k"] = torch.stack(feats).tolist() if feats else [0.0] * ttt_steps
     return loss, metrics
 
 
@@ -335,9 +335,8 @@ def _feature_loss(hidden: torch.Tensor, last: torch.Tensor, shift: int, sel, val
     h, y = hidden[valid].float(), target[valid].float()                   # [N, H]
     if len(h) == 0:
         return hidden.sum() * 0
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)           # unit RMS
-    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
-    return torch.nn.functional.smooth_l1_loss(h, y)
+    unit = lambda x: torch.nn.functional.rms_norm(x, x.shape[-1:], eps=1e-6)  # unit RMS
+    return torch.nn.functional.smooth_l1_loss(unit(h), unit(y))
 
 
 def accept_lengths(cond_acc: list[float]) -> list[float]:
