@@ -441,17 +441,19 @@ def main(argv=None) -> int:
     e.set_defaults(fn=cmd_extract)
 
     d = sub.add_parser("demo", help="extract -> train -> serve -> report, embedded default")
-    d.add_argument("--run-dir", default="runs/demo")
-    d.add_argument("--samples", type=int, default=400, help="conversations to extract")
-    d.add_argument("--max-length", type=int, default=512)
-    d.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=False,
+    from eagle3_ray.demo import DemoConfig
+    dd = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
+    d.add_argument("--run-dir", default=dd["run_dir"])
+    d.add_argument("--samples", type=int, default=dd["samples"], help="conversations to extract")
+    d.add_argument("--max-length", type=int, default=dd["max_length"])
+    d.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=dd["regenerate"],
                    help="train on the verifier's own greedy answers")
-    d.add_argument("--regen-max-new-tokens", type=int, default=256)
-    d.add_argument("--ttt-steps", type=int, default=4)
-    d.add_argument("--train-minutes", type=float, default=6.0)
-    d.add_argument("--depth", type=int, default=0, help="served depth (0: the ttt_steps)")
-    d.add_argument("--prompts", type=int, default=6, help="held-out prompts per depth")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--regen-max-new-tokens", type=int, default=dd["regen_max_new_tokens"])
+    d.add_argument("--ttt-steps", type=int, default=dd["ttt_steps"])
+    d.add_argument("--train-minutes", type=float, default=dd["train_minutes"])
+    d.add_argument("--depth", type=int, default=dd["depth"], help="served depth (0: the ttt_steps)")
+    d.add_argument("--prompts", type=int, default=dd["prompts"], help="held-out prompts per depth")
+    d.add_argument("--max-tokens", type=int, default=dd["max_tokens"])
     d.add_argument("--fresh", action="store_true", help="delete the run dir and start over")
     d.add_argument("--address")
     d.set_defaults(fn=cmd_demo)

@@ -30,7 +30,8 @@ class DemoConfig:
     ttt_steps: int = 4
     train_minutes: float = 6.0            # training wall-clock budget
     depth: int = 0                        # served depth; 0 = the drafter's ttt_steps
-    prompts: int = 6                      # held-out prompts sent at each depth
+    prompts: int = 12                     # held-out prompts sent at each depth (12: ratios to
+                                          # about ±0.1 on a noisy 2-core host; 6 gave ±0.15)
     max_tokens: int = 48                  # tokens per reply
     fresh: bool = False
     address: str | None = None
@@ -73,7 +74,7 @@ def _free_port() -> int:
 def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
     import requests
     from ray import serve as ray_serve
-    from eagle3_ray import data, serve
+    from eagle3_ray import bench, data, serve
     meta = json.load(open(os.path.join(drafter_dir, "meta.json")))
     depth = cfg.depth or meta["ttt_steps"]
     scfg = serve.ServeConfig(drafter=drafter_dir, depth=depth, max_depth=max(16, depth),
@@ -101,7 +102,7 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
         ray_serve.delete("demo")
     report = {"drafter": drafter_dir, "ttt_steps": meta["ttt_steps"], "depth": depth,
               "train_steps": meta["steps"], "url": url, "prompts": len(prompts) - 1,
-              "max_tokens": cfg.max_tokens,
+              "max_tokens": cfg.max_tokens, "host": bench.host_flags(),
               "heldout_eval": {k: v for k, v in meta["final_metrics"].items()
                                if k.startswith("eval/")}}
     for d, rs in runs.items():
@@ -129,7 +130,8 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
 
 def print_report(r: dict, run_dir: str) -> None:
     d = r["depth"]
-    print(f"\n[demo] drafter {r['drafter']} (ttt_steps={r['ttt_steps']}, {r['train_steps']} steps)")
+    print(f"\n[demo] drafter {r['drafter']} (ttt_steps={r['ttt_steps']}, {r['train_steps']} steps)"
+          f"; host CPU flags: {' '.join(r.get('host', [])) or '-'}")
     print("[demo] served acceptance by position (accepted / drafted): " + ", ".join(
         f"{k}: {a:.2f}" for k, a in enumerate(r["acceptance_by_position"])))
     print(f"[demo] acceptance length at depth {d}: {r[f'depth_{d}']['acceptance_length']:.2f} "
@@ -160,6 +162,7 @@ def plot_report(r: dict, path: str) -> None:
     a2.set_ylabel("tokens/s (HTTP, greedy)")
     a2.set_title(f"x{r['speedup']:.2f} / x{r['speedup_dynamic']:.2f} dynamic, "
                  f"identical: {r['identical_outputs']}")
+    fig.suptitle(f"host: {' '.join(r.get('host', [])) or '-'}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
