@@ -1,5 +1,6 @@
 """Drafter training on real Ray Train (gloo, 2 CPU workers) over a tiny verifier's dataset:
-loss falls, a killed worker resumes from the last checkpoint, reruns resume, mismatches refused."""
+loss falls, a killed worker resumes from the last checkpoint, reruns resume (into the next
+epoch too), mismatches refused."""
 import csv
 import json
 import os
@@ -75,35 +76,30 @@ def test_loss_falls_and_drafter_is_exported(ray_cluster, tiny_verifier, dataset,
             assert exported[name].equal(t), (fmt, name)
 
 
-def test_killed_worker_resumes_from_last_checkpoint(ray_cluster, tiny_verifier, dataset, tmp_path):
-    out, marker = tmp_path / "run", tmp_path / "died"
-    result = run_train(config(tiny_verifier, dataset, out, max_steps=8, checkpoint_every=3,
-                              fault_injection=f"die_once:5:{marker}"))
-    assert marker.exists()  # rank 1 really died at step 5, after the step-3 checkpoint
-    assert logged_steps(out) == list(range(1, 9))  # steps 4-5 redone, logged once
-    assert result.metrics["step"] == 8
-    assert result.checkpoint.path.endswith("step_0000008")
-
-    # the same command again with more steps resumes at 8 and continues
-    run_train(config(tiny_verifier, dataset, out, max_steps=11, checkpoint_every=3))
-    assert logged_steps(out) == list(range(1, 12))
-    assert json.loads((out / "drafter" / "meta.json").read_text())["steps"] == 11
-
-
-def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(ray_cluster, tiny_verifier, dataset,
-                                                         tmp_path):
-    """A checkpoint taken after the last batch of an epoch (every sample of it seen) resumes into
-    the next epoch. (A restarted worker group can also get rows that were all seen; that once
-    failed as "no training samples reached the workers".)"""
+def test_killed_worker_resumes_and_a_rerun_continues_into_the_next_epoch(
+        ray_cluster, tiny_verifier, dataset, tmp_path):
+    """Rank 1 dies at step 4 (checkpoint at 3): the group restarts from step 3 and finishes the
+    epoch, its last checkpoint taken after the epoch's last batch (every sample of it seen).
+    The same command with more steps resumes from there into the next epoch. (A restarted
+    worker group can also get rows that were all seen; that once failed as "no training
+    samples reached the workers".)"""
     manifest = schema.read_manifest(dataset)
     rows = ParquetShard(dataset, [f["name"] for f in manifest["files"]], 0.15, False, 0, 2).rows
     per_epoch = -(-len(rows) // 4)                 # batches of 4 on each of the 2 workers
-    out = tmp_path / "run"
-    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch))  # stops on the last batch
-    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2))
+    assert per_epoch >= 5                          # the death at step 4 falls inside epoch 0
+    out, marker = tmp_path / "run", tmp_path / "died"
+    result = run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch,
+                              checkpoint_every=3, fault_injection=f"die_once:4:{marker}"))
+    assert marker.exists()  # rank 1 really died at step 4, after the step-3 checkpoint
+    assert logged_steps(out) == list(range(1, per_epoch + 1))  # step 4 redone, logged once
+    assert result.metrics["step"] == per_epoch
+    assert result.checkpoint.path.endswith(f"step_{per_epoch:07d}")
+
+    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2, checkpoint_every=3))
     hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [h["step"] for h in hist] == list(range(1, per_epoch + 3))
     assert hist[per_epoch - 1]["epoch"] == 0 and hist[-1]["epoch"] == 1
+    assert json.loads((out / "drafter" / "meta.json").read_text())["steps"] == per_epoch + 2
 
 
 def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_verifier, dataset,
