@@ -921,9 +921,28 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
     return p
 
 
+def monotone_curve(verify_ms: dict[int, float]) -> dict[int, float]:
+    """The least-squares non-decreasing fit of a measured verify curve (isotonic regression,
+    pool adjacent violators): verifying more tokens never costs less, so a point below an
+    earlier one is noise, and it is averaged with its neighbours instead of making the deeper
+    depths look free. A curve that already rises is returned as it is; steps (a kernel switch
+    between 2 and 3 rows) are kept, which a fitted line or hinge would smooth away (measured:
+    docs/benchmarks.md, "Verify cost")."""
+    blocks: list[list[float]] = []                       # [sum, count] of pooled points
+    for k in sorted(verify_ms):
+        blocks.append([verify_ms[k], 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    ys = [total / n for total, n in blocks for _ in range(n)]
+    return dict(zip(sorted(verify_ms), ys))
+
+
 def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: float, config,
                           dtype=None, description: str = "") -> NodeProfile:
-    """Measured times of one device (no interconnect) -> a NodeProfile."""
+    """Measured times of one device (no interconnect) -> a NodeProfile, its verify curve made
+    non-decreasing (monotone_curve)."""
     import time
     import torch
     itemsize = dtype.itemsize if dtype is not None else 2
@@ -933,7 +952,7 @@ def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: floa
         gpus=1, interconnect=Interconnect(latency_us=0.0, bandwidth_gbps=1.0,
                                           allreduces_per_forward=0,
                                           hidden_size=config.hidden_size, bytes_per_elem=itemsize),
-        verify_ms={k: round(v, 4) for k, v in verify_ms.items()},
+        verify_ms={k: round(v, 4) for k, v in monotone_curve(verify_ms).items()},
         draft_step_ms=round(draft_ms, 4))
 
 

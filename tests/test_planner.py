@@ -481,5 +481,26 @@ def test_chain_threshold_prices_one_more_draft_against_a_decode_step():
     noisy = P.single_device_profile(
         "noisy", {k: 10.0 + (k - 1) + (-4.0 if k == 4 else 0.0) for k in range(1, 18)}, 0.5, cfg)
     assert P.chain_threshold(noisy, 16) == pytest.approx(0.15, abs=0.01)
-    flat = P.single_device_profile("flat", {1: 10.0, 17: 8.0}, 0.5, cfg)  # never < 0
-    assert P.chain_threshold(flat, 16) == pytest.approx(0.05)
+    flat = P.single_device_profile("flat", {1: 10.0, 17: 8.0}, 0.5, cfg)  # made monotone: 9, 9
+    assert P.chain_threshold(flat, 16) == pytest.approx(0.5 / 9.0)
+
+
+def test_a_measured_curve_that_dips_does_not_send_dynamic_depth_deep():
+    """A replica's 3-rep startup profile measured on a noisy AVX2-only host (verify ms for 1..4
+    tokens, draft step 5.3 ms): its 4-token verify came out cheaper than its 3-token one, which
+    sent DynamicDepth to depth 3 with this drafter's served acceptance (0.35, 0.14); 7-rep
+    profiles gave depth 1. Pooled to a non-decreasing curve it plans depth 1; a curve that
+    already rises (steps included) is kept exactly."""
+    import dataclasses
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9)
+    dip = {1: 111.0, 2: 125.0, 3: 138.0, 4: 117.0}
+    assert P.monotone_curve(dip) == {1: 111.0, 2: 125.0, 3: 127.5, 4: 127.5}
+    prof = P.single_device_profile("replica", dip, 5.3, cfg)
+    assert prof.verify_ms == {1: 111.0, 2: 125.0, 3: 127.5, 4: 127.5}
+    raw = dataclasses.replace(prof, verify_ms=dip)
+    assert P.best_depth([0.35, 0.14], raw, 3) == 3            # what the raw dip chose
+    assert P.best_depth([0.35, 0.14], prof, 3) == 1
+    steps = {1: 28.2, 2: 28.2, 3: 33.0, 4: 33.4, 17: 50.2}     # a kernel switch at 3 rows
+    assert P.monotone_curve(steps) == steps
+    assert P.monotone_curve({1: 5.0, 2: 3.0, 3: 1.0}) == {1: 3.0, 2: 3.0, 3: 3.0}
