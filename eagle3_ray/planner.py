@@ -911,7 +911,7 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
     p = single_device_profile(
         name or f"measured-{platform.node() or 'host'}", verify_ms, draft_ms, cfg, dtype,
         description=(f"measured by eagle3-ray profile: verifier {spec} ({dtype}), {context}-token "
-                     f"KV cache, median of {reps}; drafter "
+                     f"KV cache, median of {reps}, made non-decreasing; drafter "
                      f"{drafter_dir or 'untrained, same shape'}; {max(ngpu, 1)} x {where}"
                      + ("; verifier split over the GPUs by accelerate (layers, not tensor "
                         "parallel): verify_ms is close to, not exactly, compute only"
