@@ -26,8 +26,8 @@ class DemoConfig:
     samples: int = 400                    # conversations to extract
     max_length: int = 512                 # tokens per sample
     regenerate: bool = False              # train on the verifier's own greedy answers: served
-                                          # tau(4) 1.59 vs 1.47 on a fast host, x5 the extraction
-                                          # time (docs/benchmarks.md, "Demo")
+                                          # tau(4) 1.52-1.59 (two runs) vs 1.47 on a fast host,
+                                          # x5 the extraction time (docs/benchmarks.md, "Demo")
     regen_max_new_tokens: int = 256       # tokens per regenerated assistant turn
     ttt_steps: int = 4
     train_minutes: float = 6.0            # training wall-clock budget
