@@ -335,6 +335,10 @@ def best_quality_drafter(out_dir: str = "runs/bench", depth: int = 8) -> str:
     return os.path.join(out_dir, "quality", arm, "drafter")
 
 
+SERVE_BRANCHES = ()      # tree arms (--branches K): K chains forked at the first draft
+                         # (Speculator branches); none by default: on a 2-core CPU they lose
+                         # (docs/benchmarks.md#bench-serve)
+SERVE_TREE_DEPTHS = (2, 3, 4)   # the fixed depths (of those run) that get tree arms
 SERVE_PROMPT_LOOKUP = (10, 3)   # transformers' docs suggest ~10 tokens; 3 ~ a shallow depth
 
 
@@ -390,7 +394,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 max_tokens: int = 64, out_dir: str = "runs/bench",
                 spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0,
                 simulate: str | None = None, dynamic: bool = True, peers: bool = True,
-                prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0) -> dict:
+                prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0,
+                branches=SERVE_BRANCHES) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (planner.
@@ -400,6 +405,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     and one with confidence-gated chains ("gated": depth up to the deepest fixed one, each
     chain stopped where the drafter's own chain probability falls below planner.
     chain_threshold of this machine's costs).
+    branches: tree arms "tree{k}x{d}" for each k > 1 here and each depth d of SERVE_TREE_DEPTHS
+    run: k chains of d drafts forked at the first, verified in one forward (Speculator
+    branches); measured only, no planner prediction.
     peers: also transformers' own greedy `generate` and its prompt-lookup speculation with each
     k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
     the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
@@ -442,7 +450,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = data.heldout_prompts(tok, prompts)
-    ours = list(depths) + (["dynamic", "gated"] if dynamic else [])
+    trees = {f"tree{k}x{d}": (int(k), d) for k in branches if int(k) > 1
+             for d in depths if d in SERVE_TREE_DEPTHS}
+    ours = list(depths) + (["dynamic", "gated"] if dynamic else []) + list(trees)
     gate = planner.chain_threshold(profile, max_depth)
     names = ours + list(peer_ks)                          # every arm, interleaved per prompt
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
@@ -462,9 +472,10 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                     s["outputs"].append(got["tokens"])
                 continue
             depth = (planner.DynamicDepth(profile, prior, max_depth) if d == "dynamic"
-                     else max_depth if d == "gated" else d)
+                     else max_depth if d == "gated" else trees[d][1] if d in trees else d)
             t0, out, rounds = time.perf_counter(), [], []
-            for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0):
+            for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0,
+                                  branches=trees[d][0] if d in trees else 1):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -485,8 +496,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 for k in range(r.drafted):
                     s["drafted_at"][k] += 1
                     s["accepted_at"][k] += k < r.accepted
-                    chain *= r.draft_probs[k]
-                    calib.append((chain, k < r.accepted))
+                    if r.branches == 1:                    # a tree's rounds: no chain prob
+                        chain *= r.draft_probs[k]
+                        calib.append((chain, k < r.accepted))
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
     # the machine drifts over minutes (shared, turbo): predict with times measured before and
     # after the runs, averaged
@@ -515,7 +527,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                "identical_to_depth0": s["outputs"] == base["outputs"],
                "mismatched_prompts": [j for j, (a, b) in enumerate(zip(s["outputs"],
                                                                        base["outputs"])) if a != b]}
-        if d not in ("dynamic", "gated"):
+        if d in trees:
+            row.update(branches=trees[d][0], tree_depth=trees[d][1])
+        elif d not in ("dynamic", "gated"):
             p = pred["depths"][d]
             row.update(predicted_tokens_per_s=p["tokens_per_s"],
                        predicted_acceptance_length=p["accept_len"],
@@ -546,6 +560,13 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                       "predicts); prediction = planner.plan(acceptance counted here, this "
                       "machine's verify/draft times measured before and after the runs"
                       + (f" + the SIMULATED interconnect of {simulate})" if simulate else ")")}
+    if trees:
+        top = max(trees, key=lambda d: result_runs[d]["decode_tokens_per_s"])
+        result.update(best_tree=top, best_tree_speedup=result_runs[top]["speedup"],
+                      tree_note="tree{k}x{d}: k greedy chains of d drafts forked at the "
+                                "first draft (the drafter's top-k first tokens), verified in "
+                                "one forward; tau = tokens per round, acceptance per position "
+                                "= the longest accepted chain's")
     if dynamic:
         for name in ("dynamic", "gated"):
             d = result_runs[name]
@@ -628,13 +649,20 @@ def _plot_serve(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    runs = sorted((r for r in result["runs"].values()
-                   if r["depth"] not in ("dynamic", "gated")), key=lambda r: r["depth"])
+    runs = sorted((r for r in result["runs"].values() if isinstance(r["depth"], int)),
+                  key=lambda r: r["depth"])
+    trees = [r for r in result["runs"].values() if "branches" in r]
     ds = [r["depth"] for r in runs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(ds, [r["decode_tokens_per_s"] for r in runs], "o-", color="#37a", label="measured")
     a1.plot(ds, [r["predicted_tokens_per_s"] for r in runs], "s--", color="#e83",
             label="predicted (planner)")
+    for k in sorted({r["branches"] for r in trees}):
+        pts = sorted((r["tree_depth"], r) for r in trees if r["branches"] == k)
+        a1.plot([d for d, _ in pts], [r["decode_tokens_per_s"] for _, r in pts], "^-",
+                color="#b22", label=f"{k} branches (tree, measured)")
+        a2.plot([d for d, _ in pts], [r["acceptance_length"] for _, r in pts], "^-",
+                color="#b22", label=f"{k} branches (tree)")
     dyn, gated = result["runs"].get("dynamic"), result["runs"].get("gated")
     if dyn:
         a1.axhline(dyn["decode_tokens_per_s"], color="#3a5", ls=":",
@@ -653,7 +681,7 @@ def _plot_serve(result: dict, path: str) -> None:
         if k:
             a2.axhline(r["acceptance_length"], color=color, ls=ls, lw=1, label=label)
     if peers:                                              # room above the lines for the legend
-        top = max([r["decode_tokens_per_s"] for r in peers + runs + [x for x in (dyn, gated) if x]]
+        top = max([r["decode_tokens_per_s"] for r in peers + runs + trees + [x for x in (dyn, gated) if x]]
                   + [r["predicted_tokens_per_s"] for r in runs])
         a1.set_ylim(0, top * 1.7)
     sim = result.get("simulated_interconnect")

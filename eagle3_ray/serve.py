@@ -57,6 +57,11 @@ class ServeConfig:
                                           # are accepted no longer pays for one more draft
                                           # (planner.chain_threshold); the depth is the cap,
                                           # max_depth for requests with dynamic depth
+    branches: int = 1                     # greedy requests draft this many chains forked at
+                                          # the first draft, verified as one tree (SGLang's
+                                          # speculative-eagle-topk); sampled ones one chain.
+                                          # Pays where a verify of more tokens costs ~the same
+                                          # (docs/serve.md#branches)
     profile: str | None = None            # node profile dynamic depth plans with (name/path);
                                           # None = measured on the replica at start
     simulate_interconnect: str | None = None  # SIMULATION: a node profile whose all-reduce
@@ -263,6 +268,8 @@ class Engine:
             raise ValueError(f"depth {cfg.depth} needs a drafter (--drafter), or use depth 0")
         if not 0 <= cfg.depth <= cfg.max_depth <= 32:
             raise ValueError(f"need 0 <= depth ({cfg.depth}) <= max_depth ({cfg.max_depth}) <= 32")
+        if not 1 <= cfg.branches <= 16:
+            raise ValueError(f"need 1 <= branches ({cfg.branches}) <= 16")
         self.tok = verifier_lib.load_tokenizer(cfg.verifier)
         model = verifier_lib.load_verifier(cfg.verifier, num_gpus=int(cfg.gpus_per_replica))
         drafter = None
@@ -393,7 +400,8 @@ class _Job:
                  warning, include_usage):
         self.server, self.prompt, self.depth, self.endpoint = server, prompt, depth, endpoint
         self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
-        self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate)
+        branches = server.engine.cfg.branches if sp.temperature == 0 else 1   # trees: greedy
+        self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate, branches)
         self.text = speculate.TextStream(server.engine.tok, stop)
         self.rounds: list[speculate.Round] = []
         self.closed = False

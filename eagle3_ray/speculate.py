@@ -12,6 +12,14 @@ One round at depth D (n tokens already in the verifier's KV cache, `x` the next 
              (token t+1, verifier aux state t) for the accepted positions
 Depth 0 is plain decoding through the same code (no drafter, a 1-token verify), the baseline.
 
+Branches (greedy only): the round drafts `branches` chains that fork at the first draft, the
+drafter's top-k first tokens each continued greedily (one batched drafter step per depth), and
+verifies them in ONE verifier forward: [x, chain 1, chain 2, ...], each chain attending to the
+cache, x and its own earlier drafts only (verifier.tree_layout). The longest accepted chain
+wins; the cache keeps x and its accepted drafts. It pays where a verify of k·D+1 tokens costs
+about what D+1 do (a PCIe node, where all-reduce latency sets the cost); on a 2-core CPU each
+path's gathered keys cost more than the top-2..k first-token hits bring (docs/serve.md).
+
 The drafter's KV cache holds, per position t, the keys of (token t+1, verifier state t); draft
 steps append at t+1, t+2, ... and are dropped after verification — the same pattern the TTT
 unroll trains (ttt.py: step-0 keys causally, plus the drafter's own steps at one position).
@@ -43,6 +51,9 @@ class Round:
     verify_s: float = 0.0                 # wall time of the verifier forward
     draft_s: float = 0.0                  # wall time of the drafter's steps
     draft_probs: tuple[float, ...] = ()   # the drafter's probability of each of its drafts
+    branches: int = 1                     # chains verified together (1 = a plain chain); with
+                                          # more, drafted = the longest chain's length and
+                                          # draft_probs = ()
 
 
 @dataclass
@@ -88,6 +99,29 @@ class DraftKV:
         return out.transpose(1, 2).reshape(b, s, nh * d)                 # [1, s, nh*D]
 
 
+class BranchKV:
+    """The `attend(q, k, v)` of draft steps run for b chains at once (batch b, one token each),
+    forked from a DraftKV: each chain's query sees the shared cached keys and its own chain's
+    earlier steps, never another chain's."""
+
+    def __init__(self, shared: DraftKV):
+        self.shared, self.k, self.v = shared, None, None                  # own: [b, nkv, m, D]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)   # [b, nkv, m, D]
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        b, nh, _, d = q.shape
+        nkv = k.shape[1]
+        rows = q.reshape(b, nkv, nh // nkv, d)                             # [b, nkv, g, D]
+        shared_k, shared_v = self.shared.k[0], self.shared.v[0]           # [nkv, L, D]
+        s = torch.cat([rows @ shared_k.transpose(-1, -2),                  # [b, nkv, g, L]
+                       rows @ self.k.transpose(-1, -2)], dim=-1)           # [b, nkv, g, L+m]
+        p = (s.float() * d ** -0.5).softmax(-1).to(shared_v.dtype)
+        n = shared_k.shape[1]
+        out = p[..., :n] @ shared_v + p[..., n:] @ self.v                  # [b, nkv, g, D]
+        return out.reshape(b, 1, nh * d)                                   # [b, 1, nh*D]
+
+
 def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """[.., V] logits -> the sampling distribution (temperature, then nucleus), fp32."""
     p = (logits.float() / temperature).softmax(-1)
@@ -122,6 +156,7 @@ class Speculator:
             verifier_lib.make_batch_invariant(model)
         else:                                      # fp32: the fastest kernel for each row count
             verifier_lib.use_few_row_kernels(model)
+            verifier_lib.allow_trees(model)        # SDPA, and trees for branches > 1
         if self.drafter is not None:               # its steps need no invariance
             verifier_lib.use_few_row_kernels(self.drafter)
         n_layers = model.config.num_hidden_layers
@@ -134,13 +169,23 @@ class Speculator:
 
     # --- the two models ----------------------------------------------------------------------
 
-    def _verify(self, ids: list[int], cache: DynamicCache, last_only: bool = False):
+    def _verify(self, ids: list[int], cache: DynamicCache, last_only: bool = False,
+                tree_paths: list[list[int]] | None = None):
         """Forward `ids` after the cached positions -> logits [s, V] fp32 ([1, V] if last_only:
-        a prefill needs no lm_head over the prompt), aux [1, s, 3H]."""
+        a prefill needs no lm_head over the prompt), aux [1, s, 3H]. tree_paths: `ids` is a
+        tree, each path (indices into ids, root first) one chain that attends to the cache and
+        to itself only; a token sits at the cache length + its index in its path."""
         start = cache.get_seq_length()
         x = torch.tensor([ids], device=self.device)                       # [1, s]
-        pos = torch.arange(start, start + len(ids), device=self.device)[None]
-        kw = dict(input_ids=x, position_ids=pos, cache=cache, use_cache=True,
+        offsets = list(range(len(ids)))
+        kw = {}
+        if tree_paths is not None:
+            for path in tree_paths:
+                for j, i in enumerate(path):
+                    offsets[i] = j
+            kw["tree"] = verifier_lib.tree_layout(tree_paths, start, self.device)
+        pos = torch.tensor([offsets], device=self.device) + start         # [1, s]
+        kw.update(input_ids=x, position_ids=pos, cache=cache, use_cache=True,
                   logits_to_keep=1 if last_only else 0)
         aux = None
         if self.layer_ids is None:
@@ -164,6 +209,32 @@ class Speculator:
         out = self.drafter(t, hidden.to(dtype), pos, attend=kv)[:, -1:]   # [1, 1, H]
         return out, self.drafter.logits(out)[0, -1].float()               # [Vd]
 
+    def _draft_branches(self, h: torch.Tensor, logits_d: torch.Tensor, depth: int,
+                        branches: int, kv: DraftKV, min_chain_prob: float) -> list[list[int]]:
+        """Greedy chains forked at the first draft: the drafter's top-`branches` first tokens
+        ([Vd] logits_d, its state h [1, 1, H]), each continued greedily to `depth` tokens, one
+        batched drafter step per depth. A chain ends where the product of the drafter's own
+        probabilities falls below min_chain_prob; chains left empty are dropped."""
+        p, top = logits_d.softmax(-1).topk(min(branches, len(logits_d)))      # [b], [b]
+        tokens = self.drafter.draft_to_target(top)                             # [b]
+        chain_p = p.tolist()
+        chains = [[int(t)] if q >= min_chain_prob else [] for t, q in zip(tokens, chain_p)]
+        attend, start = BranchKV(kv), len(kv)
+        hs = h.expand(len(chains), 1, h.shape[-1])                            # [b, 1, H]
+        for i in range(1, depth):
+            if not any(len(c) == i for c in chains):                           # all ended
+                break
+            pos = torch.full((len(chains), 1), start + i - 1, device=self.device)  # [b, 1]
+            hs = self.drafter(tokens[:, None], hs.to(self.drafter.fc.weight.dtype), pos,
+                              attend=attend)                                   # [b, 1, H]
+            p, top = self.drafter.logits(hs)[:, 0].float().softmax(-1).max(-1)  # [b], [b]
+            tokens = self.drafter.draft_to_target(top)                         # [b]
+            for c, t, q in zip(range(len(chains)), tokens.tolist(), p.tolist()):
+                chain_p[c] *= q
+                if len(chains[c]) == i and chain_p[c] >= min_chain_prob:       # still growing
+                    chains[c].append(t)
+        return [c for c in chains if c]
+
     def _propose(self, logits_d: torch.Tensor, sp: SamplingParams, gen):
         """Draft-vocab logits -> (target token id, q over the full vocab or None if greedy,
         the drafter's probability of that token: its confidence)."""
@@ -181,7 +252,7 @@ class Speculator:
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], sp: SamplingParams, depth: int = 0,
-                 min_chain_prob: float = 0.0) -> Iterator[Round]:
+                 min_chain_prob: float = 0.0, branches: int = 1) -> Iterator[Round]:
         """Yield Rounds until EOS or max_tokens; the caller may stop early (stop strings, a
         disconnected client) by closing the generator. `depth` may also be a callable
         (stats so far: list[Round]) -> int, for a depth chosen per round.
@@ -189,7 +260,13 @@ class Speculator:
         drafter's own probabilities of drafts 1..k (its estimate that all of them are
         accepted) is below it (planner.chain_threshold); `depth` is then the cap. The stop
         looks at the drafts only, never at the verifier, so greedy output and the sampling
-        distribution stay exactly the verifier's."""
+        distribution stay exactly the verifier's.
+        branches: draft that many chains forked at the first draft and verify them together
+        (module docstring); greedy only."""
+        if branches < 1:
+            raise ValueError(f"branches must be >= 1, got {branches}")
+        if branches > 1 and sp.temperature != 0:
+            raise ValueError("branches > 1 needs greedy decoding (temperature 0)")
         if not prompt:
             raise ValueError("empty prompt")
         if sp.max_tokens <= 0:
@@ -216,10 +293,12 @@ class Speculator:
                 return
             d = depth(history) if callable(depth) else depth
             t0 = time.perf_counter()
-            drafts, qs, confs, chain = [], [], [], 1.0
+            drafts, qs, confs, chain, chains = [], [], [], 1.0, []
             if d > 0:
                 h, logits_d = self._draft_step(absorb, absorb_aux, kv)
-                for i in range(d):
+                if branches > 1:
+                    chains = self._draft_branches(h, logits_d, d, branches, kv, min_chain_prob)
+                for i in range(d if branches == 1 else 0):
                     tok, q, conf = self._propose(logits_d, sp, gen)
                     chain *= conf
                     if chain < min_chain_prob:
@@ -231,18 +310,31 @@ class Speculator:
                         h, logits_d = self._draft_step([tok], h, kv)
             t1 = time.perf_counter()
             n = cache.get_seq_length()                     # x goes to position n
-            logits, aux = self._verify([x] + drafts, cache)                # [d+1, V]
-            a, bonus = self._accept(drafts, qs, logits, sp, gen)
+            if chains:                                     # a tree: [x, chain 1, chain 2, ..]
+                ids, paths = [x], []
+                for c in chains:
+                    paths.append([0] + list(range(len(ids), len(ids) + len(c))))
+                    ids += c
+                logits, aux = self._verify(ids, cache, tree_paths=paths)   # [s, V]
+                keep = self._accept_tree(ids, paths, logits)   # x + the winner's accepted
+                bonus = int(logits[keep[-1]].argmax())
+            else:
+                ids = [x] + drafts
+                logits, aux = self._verify(ids, cache)                     # [d+1, V]
+                a, bonus = self._accept(drafts, qs, logits, sp, gen)
+                keep = list(range(a + 1))                  # x + the accepted drafts
             t2 = time.perf_counter()
-            cache.crop(-(cache.get_seq_length() - (n + a + 1)))  # keep x + accepted drafts
-            new = drafts[:a] + [bonus]
+            self._keep_cache(cache, n, keep)
+            a, new = len(keep) - 1, [ids[i] for i in keep[1:]] + [bonus]
             if d > 0:
                 kv.crop(n)                                 # drop the draft steps' keys
-                absorb, absorb_aux = new, aux[:, :a + 1]                   # [1, a+1, 3H]
+                absorb, absorb_aux = new, aux[:, keep]                     # [1, a+1, 3H]
             elif self.drafter is not None:                 # a depth-0 round: absorb later
                 absorb, absorb_aux = absorb + new, torch.cat([absorb_aux, aux[:, :a + 1]], 1)
             x = bonus
-            r = self._emit(new, len(drafts), a, sp, emitted, t2 - t1, t1 - t0, tuple(confs))
+            drafted = max(map(len, chains)) if chains else len(drafts)
+            r = self._emit(new, drafted, a, sp, emitted, t2 - t1, t1 - t0, tuple(confs),
+                           max(1, len(chains)))
 
     def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> int:
         if sp.temperature == 0:
@@ -269,8 +361,34 @@ class Speculator:
         return len(drafts), self._pick(logits[len(drafts)], sp, gen)
 
     @staticmethod
+    def _accept_tree(ids: list[int], paths: list[list[int]], logits: torch.Tensor) -> list[int]:
+        """Greedy acceptance of a tree verify -> the winning path's accepted prefix (indices
+        into ids: the root x, then its accepted drafts): the longest run of drafts that each
+        equal the verifier's argmax at their parent; the first longest wins a tie."""
+        target = logits.argmax(-1).tolist()                                # [s]
+        best = [0]
+        for path in paths:
+            a = 1
+            while a < len(path) and ids[path[a]] == target[path[a - 1]]:
+                a += 1
+            if a > len(best):
+                best = path[:a]
+        return best
+
+    @staticmethod
+    def _keep_cache(cache: DynamicCache, n: int, keep: list[int]) -> None:
+        """Keep, of the cached positions from n on, those at offsets `keep` (ascending, 0
+        first), moved to n, n+1, ...; drop the rest (rejected and other chains' drafts)."""
+        if keep != list(range(len(keep))):
+            idx = torch.tensor(keep, device=cache.layers[0].keys.device) + n
+            for layer in cache.layers:                                     # [1, nkv, L, D]
+                layer.keys[:, :, n:n + len(keep)] = layer.keys[:, :, idx]
+                layer.values[:, :, n:n + len(keep)] = layer.values[:, :, idx]
+        cache.crop(-(cache.get_seq_length() - (n + len(keep))))  # tokens to remove
+
+    @staticmethod
     def _emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s,
-              draft_probs=()):
+              draft_probs=(), branches: int = 1):
         reason = None
         for i, t in enumerate(tokens):
             if t in sp.eos_ids:
@@ -278,7 +396,8 @@ class Speculator:
                 break
         if reason is None and emitted + len(tokens) >= sp.max_tokens:
             tokens, reason = tokens[:sp.max_tokens - emitted], "length"
-        return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s, draft_probs)
+        return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s, draft_probs,
+                     branches)
 
 
 class TextStream:

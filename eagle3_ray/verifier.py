@@ -224,7 +224,7 @@ INVARIANT_ATTENTION = "eagle3_batch_invariant"
 
 
 def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None,
-                              dropout=0.0, **kwargs):
+                              dropout=0.0, tree=None, **kwargs):
     """Causal attention for one unpadded sequence whose every query row computes what it would
     in a one-token forward. On GPUs and where oneDNN has CPU kernels for the dtype (fp32; bf16
     on AVX512-BF16 / AMX): scores against all cached keys (one matmul per KV head), the keys a
@@ -238,11 +238,15 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     blocks its softmax over the keys differently per query length and does neither. A prefill
     (no cache) is shared by every path and stays fused. tests/test_speculate.py and
     tests/test_embedded.py.
+    tree (a speculative tree verify: tree_layout): the q new tokens form a tree whose every
+    root-to-leaf path attends as a chain of its own (_tree_attention).
     query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D] (transformers' interface)."""
     b, nh, q, d = query.shape
     nkv, kv = key.shape[1], key.shape[2]
     if b != 1:
         raise ValueError(f"{INVARIANT_ATTENTION} attention takes batch 1, got {b}")
+    if tree is not None:
+        return _tree_attention(module, query, key, value, scaling, tree)
     if q == kv:                                                # prefill
         key = key.repeat_interleave(nh // nkv, dim=1)
         value = value.repeat_interleave(nh // nkv, dim=1)
@@ -264,6 +268,56 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         s = s.masked_fill(hidden, float("-inf"))
     out = s.softmax(-1).to(value.dtype) @ value[0]             # [nkv, g·q, D]
     return out.reshape(1, nh, q, d).transpose(1, 2), None      # [1, q, nh, D]
+
+
+def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
+    """A tree verify's index tensors, made once per forward: the q new tokens (after `cached`
+    cached ones) form a tree given by its root-to-leaf paths (indices into the new tokens,
+    root first). index [P, L]: each path padded to the longest with its last token; keys
+    [P, cached + L]: the key positions each path attends over, the cached ones then its own in
+    path order (the keys of decoding that path token by token); first [q]: where each token
+    first occurs in index.flatten()."""
+    width = max(map(len, paths))
+    index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=device)
+    keys = torch.cat([torch.arange(cached, device=device).expand(len(paths), cached),
+                      cached + index], 1)                                  # [P, cached+L]
+    first = {}
+    for i, t in enumerate(index.flatten().tolist()):
+        first.setdefault(t, i)
+    return {"index": index, "keys": keys,
+            "first": torch.tensor([first[t] for t in range(len(first))], device=device)}
+
+
+def _tree_attention(module, query, key, value, scaling, tree: dict):
+    """batch_invariant_attention of a tree verify: every path as a chain, all paths in one
+    batched matmul over their own keys (the cached ones, then the path's in order, so each
+    row's sums see the keys of decoding that path token by token; a padded path's extra keys
+    come after every real row's last key, masked like a chain verify's later tokens).
+    query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D]."""
+    _, nh, q, d = query.shape
+    nkv, kv = key.shape[1], key.shape[2]
+    index, keys = tree["index"], tree["keys"]                              # [P, L], [P, K]
+    n_paths, width = index.shape
+    scale = scaling if scaling is not None else d ** -0.5
+    if query.is_cpu and query.dtype not in _packable_dtypes():            # a token at a time
+        out = query.new_empty(1, q, nh, d)
+        for p in range(n_paths):
+            out[:, index[p]] = batch_invariant_attention(
+                module, query[:, :, index[p]], key[:, :, keys[p]], value[:, :, keys[p]], None,
+                scale)[0]
+        return out, None
+    g = nh // nkv
+    qp = query[0][:, index].reshape(nkv, g, n_paths, width, d)            # [nkv, g, P, L, D]
+    rows = qp.permute(2, 0, 1, 3, 4).reshape(n_paths, nkv, g * width, d)  # row j·L + i
+    k = key[0][:, keys].transpose(0, 1)                                    # [P, nkv, K, D]
+    v = value[0][:, keys].transpose(0, 1)                                  # [P, nkv, K, D]
+    s = (rows @ k.transpose(-1, -2)).float() * scale                       # [P, nkv, g·L, K]
+    pos = torch.arange(kv - q, kv - q + width, device=query.device).repeat(g)      # [g·L]
+    s = s.masked_fill(torch.arange(keys.shape[1], device=query.device) > pos[:, None],
+                      float("-inf"))                       # path token i sees keys 0 .. cached+i
+    out = s.softmax(-1).to(v.dtype) @ v                                    # [P, nkv, g·L, D]
+    out = out.reshape(n_paths, nkv, g, width, d).permute(0, 3, 1, 2, 4)   # [P, L, nkv, g, D]
+    return out.reshape(n_paths * width, nh, d)[tree["first"]][None], None  # [1, q, nh, D]
 
 
 # Few-row CPU matmuls (a decode step: 1 row, a speculative verify: 2-33). Measured on this
@@ -351,6 +405,31 @@ def use_few_row_kernels(model, batch_invariant: bool = False) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             m.forward = FewRowLinear(m, batch_invariant)
+
+
+TREE_ATTENTION = "eagle3_tree"
+
+
+def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                   tree=None, **kwargs):
+    """transformers' SDPA attention, and for a tree verify (tree_layout) each path as a chain
+    (_tree_attention): what a verifier without batch invariance runs."""
+    if tree is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    return _tree_attention(module, query, key, value, scaling, tree)
+
+
+def allow_trees(model) -> None:
+    """Let `model` verify speculative trees (tree_layout) with SDPA for everything else; a
+    batch-invariant model (make_batch_invariant) takes trees already."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    if model.config._attn_implementation != INVARIANT_ATTENTION:
+        AttentionInterface.register(TREE_ATTENTION, tree_attention)
+        AttentionMaskInterface.register(TREE_ATTENTION, sdpa_mask)    # SDPA's causal masks
+        model.set_attn_implementation(TREE_ATTENTION)
 
 
 def make_batch_invariant(model) -> None:

@@ -65,11 +65,16 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "[bench] serve peer generate:" in printed and "identical 2/2" in printed
     r = bench.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
-                          spec=tiny_verifier, dynamic=True, peers=False)
-    assert "peers" not in r and r["all_identical"]      # the dynamic and gated arms too
+                          spec=tiny_verifier, dynamic=True, peers=False, branches=(2,))
+    assert "peers" not in r and r["all_identical"]      # the dynamic, gated and tree arms too
     gated = r["runs"]["gated"]
     assert 0 < gated["chain_threshold"] < 1
     assert 0 <= gated["mean_depth"] <= 3 and "predicted_tokens_per_s" not in gated
+    tree = r["runs"]["tree2x3"]                         # depth 3 only: 1 is no tree depth
+    assert set(k for k in r["runs"] if k.startswith("tree")) == {"tree2x3"}
+    assert tree["branches"] == 2 and tree["tree_depth"] == 3 and tree["mean_depth"] == 3
+    assert r["best_tree"] == "tree2x3" and "predicted_tokens_per_s" not in tree
+    assert os.path.getsize(os.path.join(out, "serve.png")) > 0
 
 
 def test_bench_serve_flags():
@@ -81,5 +86,6 @@ def test_bench_serve_flags():
     assert a.depths == [0, 2] and a.no_peers and a.prompt_lookup_tokens == [5]
     a = p.parse_args(["serve"])
     assert a.depths is None and not a.no_peers and a.prompt_lookup_tokens == [10, 3]
+    assert a.branches == [] and p.parse_args(["serve", "--branches", "2", "3"]).branches == [2, 3]
     with pytest.raises(ValueError, match="need 0"):
         bench.bench_serve("unused", depths=(1, 2))

@@ -311,3 +311,92 @@ def test_cached_drafts_equal_the_drafters_full_sequence_predictions():
     assert len(rounds) >= 10
     for n, ids in rounds:                              # x at position n, d1 predicts n + 1
         assert ids[1] == int(pred[n - 1]), (n, ids)
+
+
+class SecondChoiceOracle(OracleDrafter):
+    """An oracle whose first draft of each round (the step fed the verifier's aux states) ranks
+    a wrong token first and the verifier's second; later steps rank the verifier's token first.
+    A chain then never gets a draft accepted; two branches get every draft accepted."""
+
+    def forward(self, token_ids, hidden, positions, attend=None):
+        out = super().forward(token_ids, hidden, positions, attend)
+        out[..., 1] = float(hidden.shape[-1] != self.config.hidden_size)  # fed aux: a 1st draft
+        return out
+
+    def logits(self, hidden):
+        out = super().logits(hidden)
+        first = hidden[..., 1] > 0                                         # [..]
+        right = out.argmax(-1)                                             # [..]
+        wrong = (right + 1) % out.shape[-1]
+        out[first] = out[first].scatter(-1, wrong[first][:, None], 1.0)    # above the right one
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype):
+    """branches > 1: the chains forked at the first draft are verified in one forward whose
+    every path computes what that chain alone would (bit for bit in bf16), the longest accepted
+    chain wins and the KV cache keeps only its tokens, so greedy output stays the verifier's."""
+    from transformers import DynamicCache
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300)
+    model = model.to(dtype)
+    spec = Speculator(model, drafter)
+    context, chains = list(range(10, 30)), [[5, 6, 7], [8, 9], [11, 12, 13, 14]]
+    ids, paths = [3], []
+    for c in chains:
+        paths.append([0] + list(range(len(ids), len(ids) + len(c))))
+        ids += c
+    with torch.inference_mode():
+        cache = DynamicCache()
+        spec._verify(context, cache)
+        tree, tree_aux = spec._verify(ids, cache, tree_paths=paths)       # [1+9, V]
+        for path in paths:
+            cache.crop(len(context) - cache.get_seq_length())
+            chain, chain_aux = spec._verify([ids[i] for i in path], cache)
+            if dtype == torch.bfloat16:                                    # batch invariant
+                assert torch.equal(tree[path], chain) and torch.equal(tree_aux[:, path], chain_aux)
+            else:
+                torch.testing.assert_close(tree[path], chain, rtol=1e-4, atol=1e-4)
+        # the cache keeps x and the winning path's accepted drafts, in order
+        cache.crop(len(context) - cache.get_seq_length())
+        spec._verify(ids, cache, tree_paths=paths)
+        keep = [0, 4, 5]                                                   # x, chains[1] (8, 9)
+        spec._keep_cache(cache, len(context), keep)
+        assert cache.get_seq_length() == len(context) + 3
+        nxt = spec._verify([20], cache)[0]
+        cache.crop(len(context) - cache.get_seq_length())
+        want = spec._verify([3, 8, 9, 20], cache)[0][-1:]
+        torch.testing.assert_close(nxt, want, rtol=1e-4, atol=1e-4)
+
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(max_tokens=24)
+    for i in range(3):
+        prompt = torch.randint(0, 500, (4 + 5 * i,), generator=g).tolist()
+        base, _ = run(spec, prompt, sp, 0)
+        for branches in (2, 4):
+            for depth in (1, 3, 6):
+                out, rounds = [], []
+                for r in spec.generate(prompt, sp, depth, branches=branches):
+                    out += r.tokens
+                    rounds.append(r)
+                assert out == base, (i, branches, depth)
+                assert all(r.drafted == depth and r.branches == branches and
+                           0 <= r.accepted <= depth for r in rounds[1:])
+    # a drafter right only in second place: a chain never gets a draft in, two branches do
+    model, drafter = tiny_pair(vocab=500)                                  # draft vocab = all
+    model = model.to(dtype)
+    prompt, sp = list(range(10, 20)), SamplingParams(max_tokens=40)
+    base, _ = run(Speculator(model, drafter), prompt, sp, 0)              # the verifier's own
+    spec = Speculator(model, SecondChoiceOracle(drafter.config, prompt + base + [0] * 20).eval())
+    chain, rounds = run(spec, prompt, sp, 4)
+    assert chain == base
+    assert all(r.accepted == 0 for r in rounds[1:])
+    out, rounds = [], []
+    for r in spec.generate(prompt, sp, 4, branches=2):
+        out += r.tokens
+        rounds.append(r)
+    assert out == chain
+    assert all(r.accepted == 4 for r in rounds[1:] if r.finish_reason is None)
+    assert len(rounds) == 1 + math.ceil(39 / 5)
+    with pytest.raises(ValueError, match="greedy"):
+        next(spec.generate(prompt, SamplingParams(temperature=0.7), 4, branches=2))
