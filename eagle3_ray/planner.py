@@ -959,40 +959,32 @@ def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: floa
 def measure_speculator(dec, max_tokens: int = 33, context: int = 256, reps: int = 5,
                        warmup: int = 1) -> tuple[dict[int, float], float]:
     """A Speculator's own verify call over 1..max_tokens tokens after a `context`-token KV
-    cache, and one draft step (medians, ms) -> (verify_ms, draft_step_ms). The token counts
-    are timed round robin, `warmup + reps` rounds. Any simulated interconnect of `dec` is left
-    out: a profile's verify_ms is compute only."""
+    cache, and the cost per draft token of a round's drafting (medians, ms) -> (verify_ms,
+    draft_step_ms). The token counts are timed round robin, `warmup + reps` rounds. Drafting is
+    timed as a round does it (Speculator._draft_chain: absorb 2 tokens, then 4 drafts, right
+    after a verify, so the drafter's weights start out of cache, as in a round). Any simulated
+    interconnect of `dec` is left out: a profile's verify_ms is compute only."""
     import torch
     sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
     vocab = dec.model.config.vocab_size
     ids = torch.randint(0, vocab, (context + max_tokens + 1,), generator=g).tolist()
-    drafter, comm = dec.drafter, dec.simulated_comm
+    comm = dec.simulated_comm
     dec.simulated_comm = None
     try:
-        verify_ms, draft_ms = _time_speculator(dec, drafter, ids, max_tokens, context, reps,
-                                               warmup, sync)
+        verify_ms, draft_ms = _time_speculator(dec, ids, max_tokens, context, reps, warmup,
+                                               sync)
     finally:
         dec.simulated_comm = comm
     return verify_ms, draft_ms
 
 
-def _time_speculator(dec, drafter, ids, max_tokens, context, reps, warmup, sync):
+def _time_speculator(dec, ids, max_tokens, context, reps, warmup, sync):
     import statistics
     import time
     import torch
     from transformers import DynamicCache
     from eagle3_ray import speculate
-
-    def timed(fn, n):
-        out = []
-        for _ in range(warmup + n):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out[warmup:]) * 1e3                     # ms
 
     with torch.inference_mode():
         cache = DynamicCache()
@@ -1008,12 +1000,19 @@ def _time_speculator(dec, drafter, ids, max_tokens, context, reps, warmup, sync)
                 samples[t].append(time.perf_counter() - t0)
         verify_ms = {t: statistics.median(x[warmup:]) * 1e3 for t, x in samples.items()}  # ms
         kv = speculate.DraftKV()
-        h, logits_d = dec._draft_step(ids[1:context + 1], aux, kv)        # absorb the context
-        tok = int(drafter.draft_to_target(logits_d.argmax()))
+        dec._draft_step(ids[1:context - 1], aux[:, :context - 2], kv)     # absorb the context
+        sp, chain = speculate.SamplingParams(), 4
 
-        def draft_one():
-            _, lg = dec._draft_step([tok], h, kv)                          # one draft token
-            int(lg.argmax())
-            kv.crop(context)
-        draft_ms = timed(draft_one, reps * 4)
+        def draft_round():   # as in a round: right after a verify (the drafter's weights out
+            dec._verify(ids[context:context + 2], cache)                   # of cache), absorb
+            cache.crop(-2)                                                 # 2 tokens, 4 drafts
+            sync()
+            t0 = time.perf_counter()
+            dec._draft_chain(ids[context - 1:context + 1], aux[:, context - 2:], kv, chain, sp,
+                             None)
+            sync()
+            kv.crop(context - 2)
+            return time.perf_counter() - t0
+        rounds = [draft_round() for _ in range(warmup + reps)][warmup:]
+        draft_ms = statistics.median(rounds) * 1e3 / chain                # per draft token
     return verify_ms, draft_ms

@@ -209,6 +209,26 @@ class Speculator:
         out = self.drafter(t, hidden.to(dtype), pos, attend=kv)[:, -1:]   # [1, 1, H]
         return out, self.drafter.logits(out)[0, -1].float()               # [Vd]
 
+    def _draft_chain(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
+                     sp: SamplingParams, gen, min_chain_prob: float = 0.0):
+        """One round's chain: the drafter absorbs (tokens, aux [1, s, 3H]) into kv, then
+        proposes up to `depth` drafts, each step fed its own previous state; the chain stops
+        early where the product of its own probabilities falls below min_chain_prob. ->
+        (drafts, their q over the full vocab (None if greedy), the drafter's probabilities)."""
+        drafts, qs, confs, chain = [], [], [], 1.0
+        h, logits_d = self._draft_step(tokens, aux, kv)
+        for i in range(depth):
+            tok, q, conf = self._propose(logits_d, sp, gen)
+            chain *= conf
+            if chain < min_chain_prob:
+                break                              # not worth its verify: the chain ends here
+            drafts.append(tok)
+            qs.append(q)
+            confs.append(conf)
+            if i + 1 < depth:
+                h, logits_d = self._draft_step([tok], h, kv)
+        return drafts, qs, confs
+
     def _draft_branches(self, h: torch.Tensor, logits_d: torch.Tensor, depth: int,
                         branches: int, kv: DraftKV, min_chain_prob: float) -> list[list[int]]:
         """Greedy chains forked at the first draft: the drafter's top-`branches` first tokens
@@ -293,21 +313,13 @@ class Speculator:
                 return
             d = depth(history) if callable(depth) else depth
             t0 = time.perf_counter()
-            drafts, qs, confs, chain, chains = [], [], [], 1.0, []
-            if d > 0:
+            drafts, qs, confs, chains = [], [], [], []
+            if d > 0 and branches > 1:
                 h, logits_d = self._draft_step(absorb, absorb_aux, kv)
-                if branches > 1:
-                    chains = self._draft_branches(h, logits_d, d, branches, kv, min_chain_prob)
-                for i in range(d if branches == 1 else 0):
-                    tok, q, conf = self._propose(logits_d, sp, gen)
-                    chain *= conf
-                    if chain < min_chain_prob:
-                        break                      # not worth its verify: the chain ends here
-                    drafts.append(tok)
-                    qs.append(q)
-                    confs.append(conf)
-                    if i + 1 < d:
-                        h, logits_d = self._draft_step([tok], h, kv)
+                chains = self._draft_branches(h, logits_d, d, branches, kv, min_chain_prob)
+            elif d > 0:
+                drafts, qs, confs = self._draft_chain(absorb, absorb_aux, kv, d, sp, gen,
+                                                      min_chain_prob)
             t1 = time.perf_counter()
             n = cache.get_seq_length()                     # x goes to position n
             if chains:                                     # a tree: [x, chain 1, chain 2, ..]
