@@ -9,7 +9,8 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
                   verifier (SmolLM2-135M), n replicas of one GPU each
   2. train        a short bf16 run (ttt_steps 4) over n GPU workers with DDP, then with FSDP
   3. bench serve  the DDP drafter, greedy, at depths 0-16 on one GPU: tokens/s, acceptance
-                  length, outputs identical to depth 0's, the planner's prediction
+                  length, outputs identical to depth 0's, the planner's prediction; and 2 or 3
+                  chains verified as one tree at depths 2-4 (serve --branches)
   4. profile      verify/draft times of this machine; with n > 1 the NCCL all-reduce curve
 Without CUDA it says so, runs the same four steps at tiny sizes on the CPU (2 gloo workers,
 depths 0-2) plus the all-reduce curve with gloo between 2 processes (the code path of the NCCL
@@ -31,6 +32,7 @@ SIZES = {
     "samples": (300, 8), "max_length": (512, 96), "ttt_steps": (4, 2), "max_steps": (40, 2),
     "depths": ((0, 1, 2, 3, 4, 6, 8, 12, 16), (0, 1, 2)), "prompts": (8, 1),
     "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
+    "branches": ((2, 3), (2,)),
 }
 
 
@@ -53,7 +55,8 @@ def commands(cuda: bool, gpus: int, work: str) -> list[tuple[str, list[str], str
                     "4096", "--eval-fraction", "0.25"])
     bench = ["bench", "serve", "--drafter", drafter, "--samples", str(size("prompts")),
              "--max-tokens", str(size("max_tokens")), "--no-peers",
-             "--depths", *map(str, size("depths")), "--out", os.path.join(work, "bench")]
+             "--depths", *map(str, size("depths")), "--out", os.path.join(work, "bench"),
+             "--branches", *map(str, size("branches"))]
     bench += ["--gpus", "1"] if cuda else ["--no-dynamic"]
     profile = ["profile", "--drafter", drafter, "--out", os.path.join(work, "profile.yaml"),
                "--max-tokens", str(size("profile_tokens")), "--reps", str(size("profile_reps"))]
@@ -102,6 +105,7 @@ def figures(name: str, work: str) -> dict:
         return {"dtype": r["dtype"], "all_identical": r["all_identical"],
                 "best_depth": r["best_depth"], "best_speedup": r["best_speedup"],
                 "planner_chosen_depth": r["planner"]["chosen_depth"],
+                "best_tree": r.get("best_tree"), "best_tree_speedup": r.get("best_tree_speedup"),
                 "by_depth": {d: {k: x[k] for k in ("tokens_per_s", "decode_tokens_per_s",
                                                    "acceptance_length", "identical_to_depth0")}
                              for d, x in r["runs"].items()}}

@@ -35,7 +35,7 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
         assert (t.use_gpu, t.num_workers, t.parallel, t.precision) == (True, 4, parallel, "bf16")
     fn, a = parsed(steps["bench_serve"][0], monkeypatch)
     assert fn is cli.cmd_bench and a.what == "serve" and a.gpus == 1
-    assert a.depths == [0, 1, 2, 3, 4, 6, 8, 12, 16]
+    assert a.depths == [0, 1, 2, 3, 4, 6, 8, 12, 16] and a.branches == [2, 3]
     assert a.drafter == str(tmp_path / "train-ddp" / "drafter")
     fn, a = parsed(steps["profile"][0], monkeypatch)
     assert fn is cli.cmd_profile and a.drafter == str(tmp_path / "train-ddp" / "drafter")
@@ -62,8 +62,9 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     for n, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):
         assert f[n]["steps"] == 2 and f[n]["parallel"] == parallel and f[n]["num_workers"] == 2
         assert f[n]["last_loss"] > 0
-    assert sorted(f["bench_serve"]["by_depth"]) == ["0", "1", "2"]
+    assert sorted(f["bench_serve"]["by_depth"]) == ["0", "1", "2", "tree2x2"]
     assert f["bench_serve"]["all_identical"]                 # greedy: every depth = depth 0
+    assert f["bench_serve"]["best_tree"] == "tree2x2"
     assert sorted(f["profile"]["verify_ms"]) == ["1", "2", "3"] and f["profile"]["gpus"] == 1
     assert len(f["allreduce_gloo"]["allreduce_us"]) == len(planner.CURVE_TOKENS)
     assert (work / "train-fsdp" / "drafter" / "model.safetensors").is_file()
