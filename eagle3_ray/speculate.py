@@ -229,12 +229,13 @@ class Speculator:
                 h, logits_d = self._draft_step([tok], h, kv)
         return drafts, qs, confs
 
-    def _draft_branches(self, h: torch.Tensor, logits_d: torch.Tensor, depth: int,
-                        branches: int, kv: DraftKV, min_chain_prob: float) -> list[list[int]]:
-        """Greedy chains forked at the first draft: the drafter's top-`branches` first tokens
-        ([Vd] logits_d, its state h [1, 1, H]), each continued greedily to `depth` tokens, one
-        batched drafter step per depth. A chain ends where the product of the drafter's own
-        probabilities falls below min_chain_prob; chains left empty are dropped."""
+    def _draft_branches(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
+                        branches: int, min_chain_prob: float = 0.0) -> list[list[int]]:
+        """Greedy chains forked at the first draft: the drafter absorbs (tokens, aux) into kv
+        as _draft_chain does; its top-`branches` first drafts are each continued greedily to
+        `depth` tokens, one batched drafter step per depth. A chain ends where the product of
+        the drafter's own probabilities falls below min_chain_prob; empty chains are dropped."""
+        h, logits_d = self._draft_step(tokens, aux, kv)                        # [1, 1, H], [Vd]
         p, top = logits_d.softmax(-1).topk(min(branches, len(logits_d)))      # [b], [b]
         tokens = self.drafter.draft_to_target(top)                             # [b]
         chain_p = p.tolist()
@@ -315,8 +316,8 @@ class Speculator:
             t0 = time.perf_counter()
             drafts, qs, confs, chains = [], [], [], []
             if d > 0 and branches > 1:
-                h, logits_d = self._draft_step(absorb, absorb_aux, kv)
-                chains = self._draft_branches(h, logits_d, d, branches, kv, min_chain_prob)
+                chains = self._draft_branches(absorb, absorb_aux, kv, d, branches,
+                                              min_chain_prob)
             elif d > 0:
                 drafts, qs, confs = self._draft_chain(absorb, absorb_aux, kv, d, sp, gen,
                                                       min_chain_prob)
