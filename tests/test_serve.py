@@ -36,7 +36,8 @@ def server(ray_cluster, tiny_verifier, tmp_path_factory):
     from ray import serve as ray_serve
     drafter = save_untrained(tiny_verifier, str(tmp_path_factory.mktemp("srv") / "drafter"))
     cfg = ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL, depth=2,
-                      max_depth=8, branches=2, cpus_per_replica=0.5,   # greedy: 2-chain trees max_ongoing_requests=2,
+                      max_depth=8, branches=2,                     # greedy: 2-chain trees
+                      cpus_per_replica=0.5, max_ongoing_requests=2,
                       max_queued_requests=1, api_key=KEY, max_model_len=256,
                       port=free_port(), torch_threads=1)
     url = serve.start(cfg)
