@@ -681,7 +681,8 @@ def _plot_serve(result: dict, path: str) -> None:
         if k:
             a2.axhline(r["acceptance_length"], color=color, ls=ls, lw=1, label=label)
     if peers:                                              # room above the lines for the legend
-        top = max([r["decode_tokens_per_s"] for r in peers + runs + trees + [x for x in (dyn, gated) if x]]
+        top = max([r["decode_tokens_per_s"]
+                   for r in peers + runs + trees + [x for x in (dyn, gated) if x]]
                   + [r["predicted_tokens_per_s"] for r in runs])
         a1.set_ylim(0, top * 1.7)
     sim = result.get("simulated_interconnect")

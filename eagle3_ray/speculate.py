@@ -177,16 +177,14 @@ class Speculator:
         to itself only; a token sits at the cache length + its index in its path."""
         start = cache.get_seq_length()
         x = torch.tensor([ids], device=self.device)                       # [1, s]
-        offsets = list(range(len(ids)))
-        kw = {}
-        if tree_paths is not None:
-            for path in tree_paths:
-                for j, i in enumerate(path):
-                    offsets[i] = j
-            kw["tree"] = verifier_lib.tree_layout(tree_paths, start, self.device)
-        pos = torch.tensor([offsets], device=self.device) + start         # [1, s]
-        kw.update(input_ids=x, position_ids=pos, cache=cache, use_cache=True,
+        kw = dict(input_ids=x, cache=cache, use_cache=True,
                   logits_to_keep=1 if last_only else 0)
+        if tree_paths is None:
+            offsets = torch.arange(len(ids), device=self.device)           # [s]
+        else:
+            kw["tree"] = verifier_lib.tree_layout(tree_paths, start, self.device)
+            offsets = kw["tree"]["offsets"]                                # [s]
+        kw["position_ids"] = (offsets + start)[None]                       # [1, s]
         aux = None
         if self.layer_ids is None:
             out = self.model(**kw)

@@ -276,7 +276,8 @@ def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     root first). index [P, L]: each path padded to the longest with its last token; keys
     [P, cached + L]: the key positions each path attends over, the cached ones then its own in
     path order (the keys of decoding that path token by token); first [q]: where each token
-    first occurs in index.flatten()."""
+    first occurs in index.flatten(); offsets [q]: each token's index in its path (its position
+    after the cached ones)."""
     width = max(map(len, paths))
     index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=device)
     keys = torch.cat([torch.arange(cached, device=device).expand(len(paths), cached),
@@ -284,8 +285,8 @@ def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     first = {}
     for i, t in enumerate(index.flatten().tolist()):
         first.setdefault(t, i)
-    return {"index": index, "keys": keys,
-            "first": torch.tensor([first[t] for t in range(len(first))], device=device)}
+    first = torch.tensor([first[t] for t in range(len(first))], device=device)   # [q]
+    return {"index": index, "keys": keys, "first": first, "offsets": first % width}
 
 
 def _tree_attention(module, query, key, value, scaling, tree: dict):
