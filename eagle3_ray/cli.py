@@ -100,6 +100,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-weight", type=float, default=d["feature_weight"],
                    help="add a regression of each step's output to the verifier's last hidden "
                         "state, with this weight (0 = off)")
+    p.add_argument("--deep-targets", choices=("all", "agreed"), default=d["deep_targets"],
+                   help="TTT steps past 0 learn everywhere (all) or only where the data's tokens "
+                        "are the verifier's greedy ones (agreed: the chains a server continues)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=d["optimizer"],
+                   help="adamw, or muon: torch's Muon on the hidden matrices, AdamW on lm_head "
+                        "and norms (same lr)")
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
     p.add_argument("--vocab-from", choices=("auto", "targets", "tokens"), default=d["vocab_from"],
                    help="count the draft vocab over the verifier's argmax (targets) or the "
@@ -297,6 +303,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="sweep: one arm, a name and its TrainConfig fields (repeat the flag)")
     p.add_argument("--parallel", type=int, default=2,
                    help="sweep: arms trained side by side, one core each")
+    p.add_argument("--served", action="store_true", help="sweep: keep each arm's drafter and "
+                   "measure its served acceptance (--served-prompts x --served-tokens)")
+    p.add_argument("--eval-depth", type=int, default=4,
+                   help="sweep: positions of the teacher-forced held-out evaluation")
     p.add_argument("--max-new-tokens", type=int, default=128, help="regen: tokens per prompt")
     p.add_argument("--batch", type=int, default=32, help="regen: rows per batched forward")
     p.add_argument("--name", default="regen", help="regen: output name (<out>/<name>.json)")
@@ -325,7 +335,9 @@ def cmd_bench(a):
         if not a.dataset or not a.arm:
             raise SystemExit("bench sweep needs --dataset and at least one --arm NAME [F=V ...]")
         sweep.run(a.dataset, {arm[0]: parse_fields(arm[1:]) for arm in a.arm},
-                  minutes=a.minutes, parallel=a.parallel, out_dir=a.out)
+                  minutes=a.minutes, parallel=a.parallel, out_dir=a.out,
+                  eval_depth=a.eval_depth, served_prompts=a.served_prompts if a.served else 0,
+                  served_tokens=a.served_tokens)
         return
     if a.what == "regen":  # batched generation in-process, no Ray
         bench.bench_regen(prompts=a.samples or 32, max_new_tokens=a.max_new_tokens,

@@ -6,11 +6,13 @@ schedules of train.py) on the dataset's train split through ParquetShard, for `m
 training, then evaluates teacher-forced on the held-out split (the verifier's argmax as the
 target, `eval_depth` positions). Arms run `parallel` at a time, one core each, so the arms of a
 group see the same host load and are compared as ratios; one process and one thread per arm
-also keeps Ray and DDP out of what is measured. For served acceptance, train the winners with
-`bench quality` / `bench recipe`.
+also keeps Ray and DDP out of what is measured. `--served` keeps each arm's drafter
+(<out>/<name>/<arm>/drafter) and measures its served acceptance in the arm's process: the real
+decoder, greedy, on held-out prompts (quality.served_acceptance).
 
     eagle3-ray bench sweep --dataset runs/bench/data/orig --minutes 2 \
-        --arm previous targets=soft draft_vocab_size=8192 vocab_from=tokens --arm default
+        --arm previous targets=soft draft_vocab_size=8192 vocab_from=tokens --arm default \
+        --served --served-prompts 2 --served-tokens 32
 """
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ import torch
 from eagle3_ray import draft, schema, train, ttt
 
 
-def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4) -> dict:
-    """One arm in this process: train for `minutes`, evaluate held-out -> metrics."""
+def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4,
+              drafter_dir: str = "", served_prompts: int = 0, served_tokens: int = 64) -> dict:
+    """One arm in this process: train for `minutes`, evaluate held-out -> metrics. drafter_dir:
+    save the drafter there; served_prompts > 0: also decode that many held-out prompts with
+    it (quality.served_acceptance; needs drafter_dir)."""
     with tempfile.TemporaryDirectory() as run_dir:     # prepare() writes vocab.json there
         cfg = replace(train.TrainConfig(dataset=dataset, output=run_dir), **overrides,
                       max_minutes=minutes, max_steps=10**9)
@@ -43,7 +48,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     names = [f["name"] for f in manifest["files"]]
     shard = train.ParquetShard(dataset, names, cfg.eval_fraction, False, 0, 1)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opts = train.make_optimizers(cfg, drafter)
     amp = train.autocast_dtype(cfg.precision, False)
     teacher = teacher.to(amp or torch.float32)
     step = tokens = epoch = 0
@@ -52,7 +57,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
         shard.set_epoch(cfg.seed, epoch)
         for batch in shard.iter_batches(cfg.batch_size):
             b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
-            train.train_step(cfg, drafter, opt, params, teacher, b, step, train_s,
+            train.train_step(cfg, drafter, opts, params, teacher, b, step, train_s,
                              torch.device("cpu"), amp)
             step, tokens = step + 1, tokens + int(b["attention_mask"].sum())
             train_s = time.monotonic() - t0
@@ -69,30 +74,47 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
     ev = sums.summarize(sums.t, "")
     cond = [ev[f"cond_acc_{i}"] for i in range(eval_depth)]
-    return {"overrides": overrides, "steps": step, "epochs": epoch, "train_s": train_s,
-            "tokens_per_s": tokens / max(train_s, 1e-9), "vocab_from": column,
-            "acc": [ev[f"acc_{i}"] for i in range(eval_depth)], "cond_acc": cond,
-            "in_vocab": ev["in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
-            "eval_positions": ev["count_0"], "config": asdict(cfg)}
+    out = {"overrides": overrides, "steps": step, "epochs": epoch, "train_s": train_s,
+           "tokens_per_s": tokens / max(train_s, 1e-9), "vocab_from": column,
+           "acc": [ev[f"acc_{i}"] for i in range(eval_depth)], "cond_acc": cond,
+           "in_vocab": ev["in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
+           "eval_positions": ev["count_0"], "config": asdict(cfg)}
+    if drafter_dir:
+        from eagle3_ray import checkpoint
+        state = {k: v.detach() for k, v in drafter.state_dict().items()}
+        meta = {"ttt_steps": cfg.ttt_steps, "steps": step, "dataset": dataset,
+                "verifier": cfg.verifier, "train_config": asdict(cfg), "sweep_metrics": out}
+        out["drafter"] = checkpoint.save_drafter(drafter_dir, state, dcfg, meta)
+    if served_prompts:
+        from eagle3_ray import quality
+        out["served"] = quality.served_acceptance(drafter_dir, served_prompts, served_tokens)
+    return out
 
 
-def _spawn(dataset: str, name: str, overrides: dict, minutes: float, eval_depth: int):
+def _spawn(dataset: str, name: str, overrides: dict, minutes: float, eval_depth: int,
+           drafter_dir: str, served: tuple[int, int]):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "eagle3_ray.sweep", "--worker", dataset, json.dumps(overrides),
-           str(minutes), str(eval_depth)]
+           str(minutes), str(eval_depth), drafter_dir, str(served[0]), str(served[1])]
     return name, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
 
 
 def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: int = 2,
-        eval_depth: int = 4, out_dir: str = "runs/bench", name: str = "sweep") -> dict:
+        eval_depth: int = 4, out_dir: str = "runs/bench", name: str = "sweep",
+        served_prompts: int = 0, served_tokens: int = 64) -> dict:
     """Every arm ({name: TrainConfig overrides}) for `minutes`, `parallel` at a time (one core
-    each). Writes <out_dir>/<name>.json + .png."""
+    each). served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
+    decodes that many held-out prompts × served_tokens through the real decoder, in the arm's
+    own process (served acceptance). Writes <out_dir>/<name>.json + .png."""
     from eagle3_ray import bench
     dataset = schema.absolute(dataset)
     items, runs = list(arms.items()), {}
+    served = (served_prompts, served_tokens)
+    keep = lambda arm: os.path.join(out_dir, name, arm, "drafter") if served_prompts else ""
     for i in range(0, len(items), parallel):
-        group = [_spawn(dataset, n, o, minutes, eval_depth) for n, o in items[i:i + parallel]]
+        group = [_spawn(dataset, n, o, minutes, eval_depth, keep(n), served)
+                 for n, o in items[i:i + parallel]]
         for arm, proc in group:
             out, err = proc.communicate()
             line = [x for x in out.splitlines() if x.startswith("RESULT ")]
@@ -102,12 +124,16 @@ def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: in
             r = runs[arm]
             print(f"[sweep] {arm}: {r['steps']} steps, {r['tokens_per_s']:.0f} tok/s, held-out "
                   f"acc0 {r['acc'][0]:.3f}, tau({eval_depth}) {r['tau_by_depth'][-1]:.2f}, "
-                  f"in vocab {r['in_vocab']:.3f}", flush=True)
+                  f"in vocab {r['in_vocab']:.3f}" + (
+                      f"; served acc0 {r['served']['acceptance_per_position'][0]:.3f}, "
+                      f"tau(8) {r['served']['tau_by_depth'][8]:.2f}" if "served" in r else ""),
+                  flush=True)
     result = {"bench": name, "dataset": dataset, "minutes": minutes, "parallel": parallel,
               "threads_per_arm": 1, "host": bench.host_flags(), "runs": runs,
               "note": "teacher-forced: held-out split of the dataset, target = the verifier's "
-                      "argmax (a target outside the draft vocab counts as a miss); arms of one "
-                      "group ran side by side, one core each"}
+                      "argmax (a target outside the draft vocab counts as a miss); served: the "
+                      "real decoder, greedy, held-out prompts (quality.served_acceptance); arms "
+                      "of one group ran side by side, one core each"}
     bench.save_result(out_dir, name, result, plot)
     print(f"[sweep] -> {out_dir}/{name}.json, {out_dir}/{name}.png")
     return result
@@ -133,5 +159,6 @@ def plot(result: dict, path: str) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     torch.set_num_threads(1)
-    res = train_arm(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+    res = train_arm(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]),
+                    sys.argv[6], int(sys.argv[7]), int(sys.argv[8]))
     print("RESULT " + json.dumps(res), flush=True)

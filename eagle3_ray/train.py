@@ -4,13 +4,12 @@
             draft vocabulary (token counts over loss-masked tokens), hold out an eval split
     TorchTrainer workers (DDP over gloo/NCCL): read their equal share of the Parquet parts
             (ParquetShard; online: the Ray Data pipeline's get_dataset_shard), TTT unroll
-            (ttt.py), AdamW + warmup/cosine,
-            grad clipping, bf16 autocast (GPU, bf16 CPUs); report metrics every `log_every` steps,
+            (ttt.py), AdamW (or Muon + AdamW) + warmup/cosine, grad clipping, bf16 autocast (GPU, bf16 CPUs); report metrics every `log_every` steps,
             evaluate every `eval_every`, checkpoint every `checkpoint_every`
     rank 0 at the end: a self-describing drafter directory (checkpoint.py), metrics CSV/JSON, PNG
 
 Resume = run the same command again (same --output): Ray Train V2 hands the latest checkpoint
-to the workers (model, optimizer, step, training time, epoch and the sample ids consumed in
+to the workers (model, optimizers, step, training time, epoch and the sample ids consumed in
 the current epoch, so the data position is exact). A failed worker is restarted from the last
 checkpoint (FailureConfig); steps after it are redone, and the metrics log is rewound to it, so
 every step appears exactly once.
@@ -58,6 +57,10 @@ class TrainConfig:
                                           # (random each batch; <1 makes deep steps cheaper)
     feature_weight: float = 0.0           # weight of the feature regression to the verifier's
                                           # last hidden state (ttt.ttt_loss); 0 = off
+    deep_targets: str = "all"             # where the TTT steps past 0 learn: all = every
+                                          # position; agreed = only where the data's tokens fed
+                                          # to them are the verifier's greedy ones, the chains a
+                                          # served drafter continues (ttt.ttt_loss)
     draft_vocab_size: int = 4096          # reduced draft vocab (<= verifier vocab). The lm_head
                                           # dominates a 1-layer drafter's step: on the embedded
                                           # default 4096 (counted over the verifier's argmax)
@@ -90,6 +93,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.1             # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
     weight_decay: float = 0.0
+    optimizer: str = "adamw"              # adamw | muon: torch's Muon on the drafter's hidden
+                                          # matrices (fc, attention, MLP; RMS matched to AdamW
+                                          # so lr carries over), AdamW on lm_head and norms
     grad_clip: float = 0.5
     eval_fraction: float = 0.05           # held-out share of samples (by sample_id hash)
     eval_every: int = 50                  # steps; 0 = only at the end
@@ -173,6 +179,8 @@ def check_config(cfg: TrainConfig) -> None:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     for name, allowed in (("vocab_from", VOCAB_FROM), ("targets", ttt.TARGETS),
+                          ("optimizer", OPTIMIZERS),
+                          ("deep_targets", ttt.DEEP_TARGETS),
                           ("recompute", ("auto", "on", "off"))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
@@ -180,6 +188,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"init must be one of {draft.INIT_MODES}, got {cfg.init!r}")
     if cfg.parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
+    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
+        raise ValueError("optimizer muon needs whole matrices: use parallel ddp, not fsdp")
     if not 0 < cfg.deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {cfg.deep_fraction}")
     if cfg.feature_weight < 0:
@@ -412,13 +422,13 @@ def train_loop_per_worker(loop: dict) -> None:
     else:
         model = plain = ray.train.torch.prepare_model(drafter, parallel_strategy="ddp")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opts = make_optimizers(cfg, model)
 
     state = {"step": 0, "epoch": 0, "seen": [], "history": [], "train_s": 0.0}
     ckpt = ray.train.get_checkpoint()
     if ckpt:
         with ckpt.as_directory() as d:
-            state = load_train_state(d, model, opt)
+            state = load_train_state(d, model, opts)
         if rank == 0:
             print(f"[train] resumed at step {state['step']} (epoch {state['epoch']}, "
                   f"{len(state['seen'])} samples of it done)")
@@ -457,7 +467,7 @@ def train_loop_per_worker(loop: dict) -> None:
             wait["samples"] += len(ids)
             b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
             _maybe_die(cfg, rank, state["step"] + 1)
-            loss, m, lr = train_step(cfg, model, opt, params, teacher, b, state["step"],
+            loss, m, lr = train_step(cfg, model, opts, params, teacher, b, state["step"],
                                      state["train_s"], device, amp_dtype)
             state["step"] += 1
             now = time.monotonic()
@@ -474,7 +484,7 @@ def train_loop_per_worker(loop: dict) -> None:
                 with_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0
                 _report_online(setup, wait)
                 t_last = _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain,
-                                     opt, teacher, hidden, device, eval_sums, eval_shard,
+                                     opts, teacher, hidden, device, eval_sums, eval_shard,
                                      with_eval, with_checkpoint=step % cfg.checkpoint_every == 0)
                 t_step = time.monotonic()
         else:  # max_steps reached, mid-epoch or on its last batch
@@ -498,31 +508,54 @@ def train_loop_per_worker(loop: dict) -> None:
     if (last.get("step") != state["step"] or "eval/loss" not in last
             or last.get("epoch") != state["epoch"]):  # final: eval + checkpoint (epoch ends too)
         _report_now(cfg, rank, state, seen, sums, t_last, lr_at(cfg, state["step"], state["train_s"]),
-                    model, plain, opt, teacher, hidden, device, eval_sums, eval_shard,
+                    model, plain, opts, teacher, hidden, device, eval_sums, eval_shard,
                     with_eval=True, with_checkpoint=True)
     weights = full_state(model)[0]                 # collective under FSDP
     if rank == 0:
         finish(cfg, setup, weights, state)
 
 
-def train_step(cfg: TrainConfig, model, opt, params, teacher, batch: dict, step: int,
+OPTIMIZERS = ("adamw", "muon")
+
+
+def make_optimizers(cfg: TrainConfig, model) -> list[torch.optim.Optimizer]:
+    """The optimizers of `model`'s trainable parameters: [AdamW], or with optimizer "muon"
+    [AdamW (lm_head, norms), Muon (the other matrices)] (Muon's own guidance: not on the output
+    layer, nor on vectors). Muon's update RMS is matched to AdamW's (Moonshot's
+    "match_rms_adamw"), so both take the same lr."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if cfg.optimizer == "adamw":
+        return [torch.optim.AdamW([p for _, p in named], **adamw)]
+    hidden = [p for n, p in named if p.dim() == 2 and "lm_head" not in n]
+    rest = [p for n, p in named if not (p.dim() == 2 and "lm_head" not in n)]
+    return [torch.optim.AdamW(rest, **adamw),
+            torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             adjust_lr_fn="match_rms_adamw")]
+
+
+def train_step(cfg: TrainConfig, model, opts, params, teacher, batch: dict, step: int,
                train_s: float, device, amp_dtype) -> tuple[torch.Tensor, dict, float]:
     """One optimizer step on `batch` at (step, train_s) of the schedule: lr and TTT depth,
-    the TTT loss, backward, clipping, AdamW. -> (loss, ttt metrics, lr). The loop around it
-    (data, metrics, checkpoints) is train_loop_per_worker's; sweep.py reuses the step."""
+    the TTT loss, backward, clipping, the optimizers (make_optimizers). -> (loss, ttt metrics,
+    lr). The loop around it (data, metrics, checkpoints) is train_loop_per_worker's; sweep.py
+    reuses the step."""
     lr = lr_at(cfg, step, train_s)
-    for g in opt.param_groups:
+    for g in (g for opt in opts for g in opt.param_groups):
         g["lr"] = lr
     ckpt = recompute(cfg)
     with autocast(device, amp_dtype):
         loss, m = ttt.ttt_loss(model, teacher, batch, depth_at(cfg, step, train_s),
                                cfg.step_weight_decay, deep_fraction=cfg.deep_fraction,
                                targets=cfg.targets, checkpoint_attention=ckpt,
-                               checkpoint_logits=ckpt, feature_weight=cfg.feature_weight)
-    opt.zero_grad(set_to_none=True)
+                               checkpoint_logits=ckpt, feature_weight=cfg.feature_weight,
+                               deep_targets=cfg.deep_targets)
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-    opt.step()
+    for opt in opts:
+        opt.step()
     return loss, m, lr
 
 
@@ -538,21 +571,22 @@ def fsdp_shard(drafter, device):
     return drafter
 
 
-def full_state(model, opt=None, everywhere: bool = False) -> tuple[dict, dict]:
-    """Whole (unsharded) model and optimizer state dicts, keyed by parameter name, DDP or FSDP
-    alike; a collective: every worker calls it. Only rank 0 gets them unless `everywhere`."""
+def full_state(model, opts=None, everywhere: bool = False) -> tuple[dict, dict]:
+    """Whole (unsharded) model and optimizer state dicts (one dict for all of `opts`, a list of
+    optimizers), keyed by parameter name, DDP or FSDP alike; a collective: every worker calls
+    it. Only rank 0 gets them unless `everywhere`."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_state_dict)
     if not dist.is_initialized():                  # a plain module, one process
-        return model.state_dict(), opt.state_dict() if opt else {}
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
-    if opt is None:
-        return get_model_state_dict(model, options=opts), {}
-    return get_state_dict(model, opt, options=opts)
+        return model.state_dict(), get_state_dict(model, opts)[1] if opts else {}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+    if opts is None:
+        return get_model_state_dict(model, options=options), {}
+    return get_state_dict(model, opts, options=options)
 
 
-def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opt, teacher, hidden,
+def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opts, teacher, hidden,
                 device, eval_sums, eval_shard, with_eval: bool, with_checkpoint: bool) -> float:
     """All-reduce the metrics since the last report, maybe evaluate, report (+ checkpoint)."""
     t = sums.reduce()
@@ -570,7 +604,7 @@ def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opt, tea
     else:
         state["history"].append(metrics)
     state["seen"] = sorted(seen)
-    report(cfg, rank, state, state["history"][-1], model, opt, with_checkpoint=with_checkpoint)
+    report(cfg, rank, state, state["history"][-1], model, opts, with_checkpoint=with_checkpoint)
     return time.perf_counter()
 
 
@@ -590,12 +624,12 @@ def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums, shard) -> di
     return sums.summarize(sums.reduce(), "eval/")
 
 
-def report(cfg, rank, state, metrics, model, opt, with_checkpoint: bool):
+def report(cfg, rank, state, metrics, model, opts, with_checkpoint: bool):
     """ray.train.report on every worker (a barrier); rank 0 attaches the checkpoint."""
     import ray.train
     if rank == 0:
         write_metrics(cfg.output, state["history"])
-    weights, opt_state = full_state(model, opt) if with_checkpoint else ({}, {})
+    weights, opt_state = full_state(model, opts) if with_checkpoint else ({}, {})
     if with_checkpoint and rank == 0:
         name = checkpoint_name(state)
         with tempfile.TemporaryDirectory() as d:
@@ -627,14 +661,14 @@ def save_train_state(d: str, weights: dict, opt_state: dict, state: dict) -> Non
         json.dump(state, f)
 
 
-def load_train_state(d: str, model, opt) -> dict:
+def load_train_state(d: str, model, opts) -> dict:
     """A checkpoint directory -> the model (DDP or FSDP: each worker takes its shard) and
-    optimizer; returns the loop state."""
+    optimizers; returns the loop state."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     weights = load_file(os.path.join(d, "model.safetensors"))
     check_names(unwrap(model), weights, d)
-    set_state_dict(model, opt, model_state_dict=weights,
+    set_state_dict(model, opts, model_state_dict=weights,
                    optim_state_dict=torch.load(os.path.join(d, "optimizer.pt"), weights_only=True),
                    options=StateDictOptions(full_state_dict=True, strict=False))
     with open(os.path.join(d, "state.json")) as f:

@@ -18,6 +18,13 @@ checkpointing), so no S×S tensor is kept per step and memory grows linearly wit
 Deep selection (deep_fraction < 1): steps 1..K-1 at position t depend only on the step-0 keys
 and on t's own chain, so they can run on a random share of the positions: each deep step then
 costs ~that share, with its loss an unbiased estimate of the full one (step 0 runs everywhere).
+Served-like chains: a served step k+1 is fed the accepted draft k, i.e. the verifier's greedy
+token, while a teacher-forced one is fed the data's token t+2+k, which on data not written by
+the verifier (ChatGPT's answers) often differs. The conditional accuracy therefore counts step
+k only on chains where the data agreed with the verifier's greedy token at t+1+j for every
+j < k (and steps 0..k-1 were right): an estimate of the served conditional acceptance on the
+data's contexts. deep_targets="agreed" restricts the loss of steps past 0 the same way (on the
+verifier's own greedy answers every position agrees and both options are the same).
 Loss: cross-entropy on the learnable positions of each step (mean) against p_teacher (soft) or
 its argmax, the verifier's greedy token (hard: with target_ids stored the teacher never runs);
 total Σ_k w^k loss_k / Σ_k w^k. Optional feature regression (feature_weight > 0, as EAGLE-1/2
@@ -48,11 +55,12 @@ from torch.utils.checkpoint import checkpoint
 
 # Per-step sums that aggregate across batches and workers by plain addition.
 #   count: valid positions of step k        correct: valid, in the draft vocab, argmax right
-#   window: valid at every step 0..k        cond_count: valid at k, steps 0..k-1 valid + correct
-#   all_correct: steps 0..k valid + correct  loss_count: learnable positions (target in vocab)
+#   cond_count: valid at k, on a served-like chain: steps 0..k-1 valid + correct, and the data's
+#               tokens fed to steps 1..k are the verifier's greedy ones (module docstring)
+#   all_correct: those of cond_count whose step k is correct too
+#   loss_count: learnable positions (target in vocab)
 #   loss_sum: Σ soft cross-entropy over the learnable positions
-COUNT_KEYS = ("count", "correct", "window", "cond_count", "all_correct", "loss_count",
-              "loss_sum")
+COUNT_KEYS = ("count", "correct", "cond_count", "all_correct", "loss_count", "loss_sum")
 
 
 def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
@@ -155,41 +163,49 @@ class DiagonalAttention:
         return _attend(*args)
 
 
-def _cross_entropy(drafter, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor):
-    """hidden [n, H], targets[rows] -> (Σ_rows cross-entropy, drafter argmax [n]). targets:
-    [M, Vd] probabilities (soft: -Σ_v p log q) or [M] draft ids (hard: -log q[id]). They are
-    gathered inside, so a checkpoint saves only the row indices."""
+def _cross_entropy(drafter, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
+                   weight: torch.Tensor | None = None):
+    """hidden [n, H], targets[rows] -> (Σ_rows weight · cross-entropy, Σ_rows cross-entropy
+    (detached), drafter argmax [n]). targets: [M, Vd] probabilities (soft: -Σ_v p log q) or [M]
+    draft ids (hard: -log q[id]). They are gathered inside, so a checkpoint saves only the row
+    indices. weight [n] (0/1, default 1): which rows carry the loss."""
     logits = drafter.logits(hidden)                                        # [n, Vd]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp32 (fp64 stays)
     if targets.dtype == torch.long:
-        loss = torch.nn.functional.cross_entropy(logits, targets[rows], reduction="sum")
+        ce = torch.nn.functional.cross_entropy(logits, targets[rows], reduction="none")  # [n]
     else:
-        loss = -(targets[rows] * logits.log_softmax(-1)).sum()
-    return loss, logits.argmax(-1)
+        ce = -(targets[rows] * logits.log_softmax(-1)).sum(-1)            # [n]
+    loss = ce.sum() if weight is None else (ce * weight).sum()
+    return loss, ce.detach().sum(), logits.argmax(-1)
 
 
 def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-               chunk_size: int, recompute: bool = True):
-    """Loss sum and argmax over the valid positions (rows >= 0) of one step.
+               chunk_size: int, recompute: bool = True, carry: torch.Tensor | None = None):
+    """Over the valid positions (rows >= 0) of one step: (loss sum over the positions that
+    carry loss, loss sum over all of them (detached, for the metrics), drafter argmax).
     hidden [B, S, H], rows [B, S] (teacher row per position, -1 = invalid), targets [M, Vd]
-    or [M] (_cross_entropy). recompute: the chunks' logits are recomputed in backward
-    (activation checkpointing: memory of one chunk) instead of kept (no second lm_head)."""
+    or [M] (_cross_entropy), carry [B, S] bool (default: every valid position carries loss).
+    recompute: the chunks' logits are recomputed in backward (activation checkpointing: memory
+    of one chunk) instead of kept (no second lm_head)."""
     valid = rows >= 0
     h, r = hidden[valid], rows[valid]                                      # [N, H], [N]
+    w = None if carry is None else carry[valid].to(torch.float32)          # [N]
     if len(r) == 0:  # keep lm_head/norm in the graph (DDP expects a grad for every parameter)
         h = hidden.reshape(-1, hidden.shape[-1])[:1]                       # [1, H]
         t = targets.new_zeros((1,) + targets.shape[1:])                    # [1, Vd] or [1]
-        loss, _ = _cross_entropy(drafter, h, t, torch.zeros(1, dtype=torch.long, device=h.device))
-        return loss * 0, r
-    total, preds = 0.0, []
+        loss, _, _ = _cross_entropy(drafter, h, t,
+                                    torch.zeros(1, dtype=torch.long, device=h.device))
+        return loss * 0, loss.detach() * 0, r
+    total, seen, preds = 0.0, 0.0, []
     for c in range(0, len(r), chunk_size):
-        args = (drafter, h[c:c + chunk_size], targets, r[c:c + chunk_size])  # [n, H], [n]
+        args = (drafter, h[c:c + chunk_size], targets, r[c:c + chunk_size],  # [n, H], [n]
+                None if w is None else w[c:c + chunk_size])
         if torch.is_grad_enabled() and recompute:
-            loss, pred = checkpoint(_cross_entropy, *args, use_reentrant=False)
+            loss, ce, pred = checkpoint(_cross_entropy, *args, use_reentrant=False)
         else:
-            loss, pred = _cross_entropy(*args)
-        total, preds = total + loss, preds + [pred]
-    return total, torch.cat(preds)
+            loss, ce, pred = _cross_entropy(*args)
+        total, seen, preds = total + loss, seen + ce, preds + [pred]
+    return total, seen, torch.cat(preds)
 
 
 def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
@@ -208,12 +224,14 @@ def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
 
 
 TARGETS = ("soft", "hard")
+DEEP_TARGETS = ("all", "agreed")
 
 
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
              chunk_size: int = 512, checkpoint_attention: bool = True,
              deep_fraction: float = 1.0, generator=None, targets: str = "soft",
-             checkpoint_logits: bool = True, feature_weight: float = 0.0):
+             checkpoint_logits: bool = True, feature_weight: float = 0.0,
+             deep_targets: str = "all"):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -221,10 +239,11 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     padding), aux_hidden_states [B, S, 3H], last_hidden_states [B, S, H] (any float dtype),
     optionally target_ids [B, S] (the verifier's full-vocab argmax; else the teacher finds it).
     metrics (plain floats/lists, per step k): loss_k, acc_k, cond_acc_k (among positions whose
-    steps 0..k-1 were valid and correct), p_k (steps 0..k all correct, over positions valid at
-    all of 0..k), in_vocab_k (share of valid targets inside the draft vocab: the ceiling of
-    acc_k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive COUNT_KEYS sums that
-    `aggregate_metrics` combines across batches/workers.
+    steps 0..k-1 were valid and correct and whose data continued with the verifier's greedy
+    tokens: what a served chain is conditioned on), p_k = Π_{j<=k} cond_acc_j (the share of
+    rounds that accept steps 0..k), in_vocab_k (share of valid targets inside the draft vocab:
+    the ceiling of acc_k), accept_len = 1 + Σ_k Π_{j<=k} cond_acc_j, and the additive
+    COUNT_KEYS sums that `aggregate_metrics` combines across batches/workers.
     deep_fraction < 1: steps 1..K-1 run on that share of the positions only (`deep_selection`,
     drawn from `generator`); step 0 always runs on all of them. Step k's loss stays the mean over
     its valid positions, now a uniform sample of them: an unbiased estimate at ~fraction of the
@@ -236,7 +255,10 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     in backward (memory linear in depth, one chunk of logits at a time) or keep them (no second
     pass: cheaper where compute, not memory, is short, as on CPUs).
     feature_weight: step k's loss adds feature_weight × the feature regression (module
-    docstring); its mean per step is reported as feat_k (0 when off)."""
+    docstring); its mean per step is reported as feat_k (0 when off).
+    deep_targets: "all" = steps past 0 learn at every learnable position; "agreed" = step k
+    learns at t only where the data's tokens t+2..t+1+k (the ones fed to steps 1..k) are the
+    verifier's greedy tokens: the chains a served drafter continues (module docstring)."""
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     if ttt_steps < 1:
@@ -245,6 +267,8 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
         raise ValueError(f"deep_fraction must be in (0, 1], got {deep_fraction}")
     if feature_weight < 0:
         raise ValueError(f"feature_weight must be >= 0, got {feature_weight}")
+    if deep_targets not in DEEP_TARGETS:
+        raise ValueError(f"deep_targets must be one of {DEEP_TARGETS}, got {deep_targets!r}")
     drafter = getattr(model, "module", model)
     dtype = drafter.fc.weight.dtype
     ids = batch["input_ids"].long()                                        # [B, S]
@@ -267,6 +291,13 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             in_draft = drafter.t2d[greedy[wanted]]
         teacher_top = p_rows.argmax(-1)                                    # [M]
     target = p_rows if targets == "soft" else teacher_top                  # [M, Vd] or [M]
+    # agree[u]: the data's next token is the verifier's greedy token at u, and that token is in
+    # the draft vocab. A served chain continues only along such tokens (the next draft step is
+    # fed the accepted draft, i.e. the greedy token), so only where the data agreed does a
+    # teacher-forced step past u see what a served one sees.
+    agree = torch.zeros_like(wanted)                                       # [B, S]
+    agree[wanted] = in_draft & (shift_left(ids, 1, -1)[wanted]
+                                == drafter.draft_to_target(teacher_top))
     target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
     target_row[wanted] = torch.arange(len(teacher_top), device=ids.device)  # every valid target
     learn_row = target_row.clone()                                         # in-vocab ones only
@@ -276,22 +307,26 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     attend = DiagonalAttention(real, checkpoint_attention)
     hidden, losses, feats = aux, [], []
     chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
-    window = torch.ones(b, s, dtype=torch.bool, device=ids.device)         # steps <= k all valid
+    agreed = torch.ones(b, s, dtype=torch.bool, device=ids.device)         # data agreed so far
     sums = {key: [] for key in COUNT_KEYS}
     sel = keep = None                                  # the deep selection, once made
     for k in range(ttt_steps):
         tokens = shift_left(ids, 1 + k, 0)                                 # [B, S] token t+1+k
         rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
         learn = shift_left(learn_row, 1 + k, -1)                           # [B, S]
+        agree_k = shift_left(agree, 1 + k, False)                          # [B, S]
         if sel is not None:                                                # [B, n] from here on
             tokens = tokens.gather(1, sel)
             rows = rows.gather(1, sel).masked_fill(~keep, -1)
             learn = learn.gather(1, sel).masked_fill(~keep, -1)
+            agree_k = agree_k.gather(1, sel)
+        carry = agreed if deep_targets == "agreed" and k > 0 else None     # [B, S|n] or None
         hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
-        loss_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
-                                    checkpoint_logits)
+        loss_sum, seen_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
+                                              checkpoint_logits, carry)
         valid, learnable = rows >= 0, learn >= 0
-        losses.append(loss_sum / learnable.sum().clamp(min=1))
+        carried = learnable if carry is None else learnable & carry
+        losses.append(loss_sum / carried.sum().clamp(min=1))
         if feature_weight:
             feat = _feature_loss(hidden, batch["last_hidden_states"], 1 + k, sel, valid)
             losses[-1] = losses[-1] + feature_weight * feat
@@ -299,22 +334,25 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
         with torch.no_grad():  # counts stay tensors: one device sync at the end
             ok = torch.zeros_like(valid)
             ok[learnable] = pred == teacher_top[learn[learnable]]          # in vocab & correct
-            window = window & valid
             sums["count"].append(valid.sum())
             sums["correct"].append(ok.sum())
-            sums["window"].append(window.sum())
             sums["cond_count"].append((valid & chain).sum())
             chain = chain & ok
             sums["all_correct"].append(chain.sum())
+            chain = chain & agree_k        # step k+1 is conditioned on a served-like chain only
             sums["loss_count"].append(learnable.sum())
-            sums["loss_sum"].append(loss_sum.detach().double())
+            sums["loss_sum"].append(seen_sum.double())
+        agreed = agreed & agree_k
         if k == 0 and ttt_steps > 1 and deep_fraction < 1:
             useful = torch.zeros_like(valid)
+            through = torch.ones_like(valid)      # "agreed": the data agreed on steps < j
             for j in range(1, ttt_steps):         # some deep step has a loss there
-                useful |= shift_left(learn_row, 1 + j, -1) >= 0
+                if deep_targets == "agreed":
+                    through = through & shift_left(agree, j, False)
+                useful |= (shift_left(learn_row, 1 + j, -1) >= 0) & through
             sel, keep = deep_selection(useful, deep_fraction, generator)
             hidden = hidden.gather(1, sel[..., None].expand(-1, -1, hidden.shape[-1]))
-            positions, chain, window = (x.gather(1, sel) for x in (positions, chain, window))
+            positions, chain, agreed = (x.gather(1, sel) for x in (positions, chain, agreed))
             attend.select(sel)
     weights = [step_weight_decay ** k for k in range(ttt_steps)]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
@@ -359,7 +397,7 @@ def summarize(sums: dict) -> dict:
             "acc_k": ratio(sums["correct"], sums["count"]),
             "in_vocab_k": ratio(sums["loss_count"], sums["count"]),
             "cond_acc_k": cond,
-            "p_k": ratio(sums["all_correct"], sums["window"]),
+            "p_k": [math.prod(cond[:k + 1]) for k in range(len(cond))],
             "accept_len": accept_lengths(cond)[-1]}
 
 

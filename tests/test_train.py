@@ -82,20 +82,23 @@ def test_killed_worker_resumes_and_a_rerun_continues_into_the_next_epoch(
     epoch, its last checkpoint taken after the epoch's last batch (every sample of it seen).
     The same command with more steps resumes from there into the next epoch. (A restarted
     worker group can also get rows that were all seen; that once failed as "no training
-    samples reached the workers".)"""
+    samples reached the workers".) Trained with optimizer muon: two optimizers (AdamW + Muon)
+    whose states are checkpointed and resumed together."""
     manifest = schema.read_manifest(dataset)
     rows = ParquetShard(dataset, [f["name"] for f in manifest["files"]], 0.15, False, 0, 2).rows
     per_epoch = -(-len(rows) // 4)                 # batches of 4 on each of the 2 workers
     assert per_epoch >= 5                          # the death at step 4 falls inside epoch 0
     out, marker = tmp_path / "run", tmp_path / "died"
     result = run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch,
-                              checkpoint_every=3, fault_injection=f"die_once:4:{marker}"))
+                              checkpoint_every=3, fault_injection=f"die_once:4:{marker}",
+                              optimizer="muon"))
     assert marker.exists()  # rank 1 really died at step 4, after the step-3 checkpoint
     assert logged_steps(out) == list(range(1, per_epoch + 1))  # step 4 redone, logged once
     assert result.metrics["step"] == per_epoch
     assert result.checkpoint.path.endswith(f"step_{per_epoch:07d}")
 
-    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2, checkpoint_every=3))
+    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2, checkpoint_every=3,
+                     optimizer="muon"))
     hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [h["step"] for h in hist] == list(range(1, per_epoch + 3))
     assert hist[per_epoch - 1]["epoch"] == 0 and hist[-1]["epoch"] == 1
@@ -219,25 +222,85 @@ def test_vocab_source_and_recompute_choices():
         train.vocab_column(TrainConfig(dataset="x", vocab_from="targets"), False)
     assert not train.recompute(auto) and train.recompute(TrainConfig(dataset="x", use_gpu=True))
     assert train.recompute(TrainConfig(dataset="x", recompute="on"))
-    for bad in ({"vocab_from": "argmax"}, {"targets": "kl"}, {"recompute": "yes"}):
+    for bad in ({"vocab_from": "argmax"}, {"targets": "kl"}, {"recompute": "yes"},
+                {"optimizer": "sgd"}, {"deep_targets": "chain"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train.check_config(TrainConfig(dataset="x", **bad))
+    with pytest.raises(ValueError, match="muon needs whole matrices"):
+        train.check_config(TrainConfig(dataset="x", optimizer="muon", parallel="fsdp"))
+
+
+def test_muon_and_adamw_states_round_trip_through_a_checkpoint(tmp_path):
+    """optimizer muon: Muon takes the hidden matrices, AdamW lm_head and the norms; one train
+    state dict holds both optimizers' states, and loading it into fresh optimizers restores
+    them exactly (a one-process gloo group, as the Ray Train workers have)."""
+    import torch
+    import torch.distributed as dist
+    from eagle3_ray import train
+    from eagle3_ray.draft import DraftConfig, Eagle3Drafter
+    c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=48, vocab_size=64, draft_vocab_size=16)
+    cfg = TrainConfig(dataset="x", optimizer="muon")
+
+    def fresh():
+        torch.manual_seed(0)
+        m = Eagle3Drafter(c)
+        return m, train.make_optimizers(cfg, m)
+    model, opts = fresh()
+    adamw, muon = opts
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    names = {id(p): n for n, p in model.named_parameters()}
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    assert "midlayer.mlp.up_proj.weight" in on_muon and "fc.weight" in on_muon
+    assert not any("lm_head" in n or "norm" in n for n in on_muon)
+    x = torch.randn(2, 5, 3 * 32)
+    ids = torch.randint(0, 64, (2, 5))
+    for _ in range(2):
+        loss = model.logits(model(ids, x, torch.arange(5)[None].expand(2, 5))).square().mean()
+        loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        weights, opt_state = train.full_state(model, opts)
+        train.save_train_state(str(tmp_path), weights, opt_state, {"step": 2})
+        model2, opts2 = fresh()
+        assert train.load_train_state(str(tmp_path), model2, opts2) == {"step": 2}
+    finally:
+        dist.destroy_process_group()
+    for o, o2 in zip(opts, opts2):
+        for p, p2 in zip((p for g in o.param_groups for p in g["params"]),
+                         (p for g in o2.param_groups for p in g["params"])):
+            torch.testing.assert_close(p2, p)
+            assert o.state[p] and o.state[p].keys() == o2.state[p2].keys()
+            for key, v in o.state[p].items():
+                torch.testing.assert_close(o2.state[p2][key], v)
 
 
 def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_verifier, dataset,
                                                                         tmp_path):
     """bench sweep: two TrainConfig variants side by side for the same minutes, each in a
-    fresh one-thread process, evaluated on the held-out split; JSON + PNG written."""
-    from eagle3_ray import sweep
+    fresh one-thread process, evaluated on the held-out split; JSON + PNG written. served:
+    each arm's drafter is kept and decodes a held-out prompt through the real decoder."""
+    from eagle3_ray import checkpoint, sweep
     base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,
             "max_seq_len": 96, "ttt_steps": 2, "warmup_steps": 2}
-    arms = {"soft": {**base, "targets": "soft", "vocab_from": "tokens"}, "hard": base}
-    r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path))
+    arms = {"soft": {**base, "targets": "soft", "vocab_from": "tokens"},
+            "hard": {**base, "deep_targets": "agreed"}}
+    r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path),
+                  served_prompts=1, served_tokens=4)
     for name, run in r["runs"].items():
         assert run["steps"] >= 1 and run["tokens_per_s"] > 0, name
         assert run["eval_positions"] > 0 and len(run["acc"]) == 2, name
         assert 0 <= run["acc"][0] <= run["in_vocab"] <= 1, name
         assert run["group"] == 0                                    # both ran side by side
+        assert run["drafter"] == str(tmp_path / "sweep" / name / "drafter")
+        _, _, meta = checkpoint.load_drafter(run["drafter"])
+        assert meta["steps"] == run["steps"] and meta["verifier"] == tiny_verifier
+        served = run["served"]
+        assert served["rounds"] > 0 and served["tokens"] > 0 and len(served["cond_acc"]) == 16
+    assert r["runs"]["hard"]["config"]["deep_targets"] == "agreed"
     assert r["runs"]["soft"]["vocab_from"] == "input_ids"
     assert r["runs"]["hard"]["vocab_from"] == "target_ids"
     assert r["runs"]["hard"]["config"]["targets"] == "hard"

@@ -47,10 +47,12 @@ def tiny(seed=0, dtype=torch.float64):
     return drafter, teacher, batch, full
 
 
-def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None, hard=False):
+def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None, hard=False,
+               carry=None):
     """Reference: explicit keys of all steps × all positions with a full mask, full logits.
     deep [B, S]: the positions whose steps past 0 count (all if None); counts: a list that gets
-    each step's number of valid positions; hard: one-hot targets at the teacher's argmax."""
+    each step's number of valid positions; hard: one-hot targets at the teacher's argmax;
+    carry: per step, None or [B, S] bool, the positions whose loss counts (after `counts`)."""
     c = drafter.config
     ids, att = batch["input_ids"], batch["attention_mask"].bool()
     # teacher over the FULL vocab
@@ -96,6 +98,8 @@ def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None, hard=
             valid &= deep
         if counts is not None:
             counts.append(int(valid.sum()))
+        if carry is not None and carry[k] is not None:
+            valid &= carry[k]
         per_pos = -(tgt * logp).sum(-1)
         losses.append((per_pos * valid).sum() / valid.sum().clamp(min=1))
     w = [decay ** k for k in range(steps)]
@@ -200,6 +204,44 @@ def test_deep_selection_matches_the_reference_on_its_positions(fraction, block, 
         ttt.ttt_loss(drafter, teacher, batch, steps, deep_fraction=0.0)
 
 
+@pytest.mark.parametrize("targets", ["soft", "hard"])
+def test_agreed_deep_targets_learn_only_along_served_like_chains(targets):
+    """deep_targets="agreed": step k learns at t only where the data agreed with the verifier's
+    greedy token at t+1..t+k (the tokens fed to steps 1..k), as the reference restricted to those
+    positions; step 0 and every metric are those of deep_targets="all"."""
+    steps = 4
+    drafter, teacher, batch, full = tiny(seed=2)
+    batch, agree = agreeing(batch, full, 0.6, seed=2)
+    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], 1e-6) @ full["head"].T
+    batch = {**batch, "target_ids": logits_full.argmax(-1)}
+    carry, through = [None], torch.ones(B, S, dtype=torch.bool)
+    for k in range(1, steps):
+        through = through & ttt.shift_left(agree, k, False)    # agree[t+k]
+        carry.append(through.clone())
+    assert 0 < carry[1].sum() < B * S and carry[3].sum() > 0
+    ref = naive_loss(drafter, batch, full, steps, 0.8, hard=targets == "hard", carry=carry)
+    ref.backward()
+    g_ref = grads(drafter)
+    drafter.zero_grad()
+    loss, m = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, chunk_size=5, targets=targets,
+                           deep_targets="agreed")
+    loss.backward()
+    assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
+    for n, g in grads(drafter).items():
+        assert torch.allclose(g, g_ref[n], rtol=1e-8, atol=1e-11), n
+    with torch.no_grad():
+        loss_all, m_all = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, targets=targets)
+    assert not torch.allclose(loss, loss_all)
+    for key in ttt.COUNT_KEYS:
+        assert m[key] == pytest.approx(m_all[key], rel=1e-12), key
+    # with a deep selection the deep steps run only where some of them can learn
+    _, m_sel = ttt.ttt_loss(drafter, teacher, batch, steps, 0.8, targets=targets,
+                            deep_targets="agreed", deep_fraction=1e-6)
+    assert m_sel["cond_count"][1] <= B and m_sel["count"][0] == m_all["count"][0]
+    with pytest.raises(ValueError, match="deep_targets"):
+        ttt.ttt_loss(drafter, teacher, batch, steps, deep_targets="chain")
+
+
 def naive_count(drafter, batch, full, steps):
     counts = []
     with torch.no_grad():
@@ -258,7 +300,8 @@ def test_stored_target_ids_replace_the_full_vocab_check():
 
 def test_perfect_drafter_accepts_everything():
     """Teacher argmax = draft id 0 everywhere; a drafter with norm weight 0 has all-zero logits,
-    whose argmax is id 0 too -> acc 1 at every step, accept_len = 1 + K."""
+    whose argmax is id 0 too -> acc 1 at every step, accept_len = 1 + K on data that is the
+    verifier's own greedy answer."""
     drafter, _, batch, _ = tiny()
     h = 32
     x = torch.ones(h, dtype=torch.float64)
@@ -266,7 +309,9 @@ def test_perfect_drafter_accepts_everything():
     head_draft[0] = 5.0
     teacher = Teacher(torch.ones(h, dtype=torch.float64), head_draft,
                       torch.zeros(V - VD, h, dtype=torch.float64), 1e-6)
-    batch = {**batch, "last_hidden_states": x.expand(B, S, h).clone()}
+    greedy = int(drafter.d2t[0])                     # draft id 0 in the full vocab
+    batch = {**batch, "last_hidden_states": x.expand(B, S, h).clone(),
+             "input_ids": torch.full((B, S), greedy) * batch["attention_mask"]}  # greedy data
     with torch.no_grad():
         drafter.norm.weight.zero_()
     steps = 4
@@ -274,10 +319,57 @@ def test_perfect_drafter_accepts_everything():
     assert m["acc_k"] == [1.0] * steps and m["cond_acc_k"] == [1.0] * steps
     assert m["p_k"] == [1.0] * steps
     assert m["accept_len"] == 1 + steps
+    # data that never continues with the greedy token: every step is still right, but no
+    # chain past position 0 is what a server would see, so nothing past 0 is conditioned on
+    other = {**batch, "input_ids": torch.full((B, S), greedy + 1) * batch["attention_mask"]}
+    _, m = ttt.ttt_loss(drafter, teacher, other, steps)
+    assert m["acc_k"] == [1.0] * steps and m["cond_count"][1:] == [0] * (steps - 1)
+    assert m["accept_len"] == 2
+    # data that agrees at some positions: step k is conditioned on exactly the positions t
+    # whose data agreed at t+1..t+k (and that are valid at k)
+    coin = torch.rand(B, S, generator=torch.Generator().manual_seed(0)) < 0.7
+    mixed = {**batch, "input_ids": torch.where(coin, greedy, greedy + 1) * batch["attention_mask"]}
+    _, m = ttt.ttt_loss(drafter, teacher, mixed, steps)
+    valid = batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    valid[:, 0] = False
+    agree = valid & ttt.shift_left(mixed["input_ids"] == greedy, 1, False)   # [B, S]
+    want, through = [], torch.ones(B, S, dtype=torch.bool)
+    for k in range(steps):
+        want.append(int((through & ttt.shift_left(valid, 1 + k, False)).sum()))
+        through = through & ttt.shift_left(agree, 1 + k, False)
+    assert m["cond_count"] == want and m["all_correct"] == want and want[1] > want[3] > 0
+    assert m["cond_acc_k"] == [1.0] * steps
+
+
+def agreeing(batch, full, share, seed):
+    """The batch with the verifier's last states pointed at draft-vocab tokens at 80% of the
+    positions (so most greedy tokens are in it) and the data's next token set to the greedy
+    one at a random `share` of the positions (the data "agrees" there), and agree [B, S] as
+    ttt_loss defines it: loss-masked, real, not position 0, greedy token in the draft vocab,
+    data agrees."""
+    g = torch.Generator().manual_seed(seed)
+    rows = full["target_ids"][torch.randint(0, VD, (B, S), generator=g)]     # [B, S]
+    last = (3 * full["head"][rows] / full["norm"]).to(batch["last_hidden_states"].dtype)
+    point = (torch.rand(B, S, generator=g) < 0.8)[..., None]
+    batch = {**batch, "last_hidden_states": torch.where(point, last, batch["last_hidden_states"])}
+    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], 1e-6) @ full["head"].T
+    top = logits_full.argmax(-1)                                              # [B, S]
+    ids, real = batch["input_ids"].clone(), batch["attention_mask"].bool()
+    coin = torch.rand(B, S, generator=g) < share
+    for b in range(B):
+        for u in range(S - 1):
+            if coin[b, u] and real[b, u + 1]:
+                ids[b, u + 1] = top[b, u]
+    agree = torch.zeros(B, S, dtype=torch.bool)
+    agree[:, :-1] = ids[:, 1:] == top[:, :-1]
+    agree &= batch["loss_mask"].bool() & real & full["t2d"][top]
+    agree[:, 0] = False
+    return {**batch, "input_ids": ids}, agree
 
 
 def test_metric_counts_match_brute_force():
     drafter, teacher, batch, full = tiny(seed=3)
+    batch, agree = agreeing(batch, full, 0.7, seed=3)
     steps = 3
     with torch.no_grad():
         _, m = ttt.ttt_loss(drafter, teacher, batch, steps)
@@ -296,10 +388,10 @@ def test_metric_counts_match_brute_force():
             hidden = drafter(tok, hidden, torch.arange(S)[None].expand(B, S) + k, attend=attend)
             preds.append(drafter.logits(hidden).argmax(-1))
     count, correct, cond_count, all_correct = [0] * steps, [0] * steps, [0] * steps, [0] * steps
-    window, loss_count = [0] * steps, [0] * steps
+    loss_count = [0] * steps
     for b in range(B):
         for t in range(S):
-            chain, all_valid = True, True
+            chain = True
             for k in range(steps):
                 u = t + 1 + k
                 valid = u < S and bool(ok_pos[b, u])
@@ -308,16 +400,19 @@ def test_metric_counts_match_brute_force():
                 count[k] += valid
                 loss_count[k] += valid and bool(in_vocab[b, u])
                 correct[k] += right
-                all_valid = all_valid and valid
-                window[k] += all_valid
                 cond_count[k] += valid and chain
                 chain = chain and right
                 all_correct[k] += chain
+                # a served step k+1 is fed the greedy token: only a chain along which the data
+                # agreed is conditioned on
+                chain = chain and u < S and bool(agree[b, u])
     assert m["count"] == count and m["correct"] == correct
     assert m["cond_count"] == cond_count and m["all_correct"] == all_correct
-    assert m["window"] == window and m["loss_count"] == loss_count
+    assert m["loss_count"] == loss_count
     assert 0 < sum(loss_count) < sum(count)              # both kinds of target occur
-    assert m["p_k"] == [a / w if w else 0.0 for a, w in zip(all_correct, window)]
+    cond = [a / n if n else 0.0 for a, n in zip(all_correct, cond_count)]
+    assert m["cond_acc_k"] == cond
+    assert m["p_k"] == pytest.approx([math.prod(cond[:k + 1]) for k in range(steps)])
     assert c.draft_vocab_size == VD
     agg = ttt.aggregate_metrics([m, m])
     assert agg["count"] == [2 * x for x in count] and agg["acc_k"] == m["acc_k"]
