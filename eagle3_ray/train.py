@@ -4,8 +4,9 @@
             draft vocabulary (token counts over loss-masked tokens), hold out an eval split
     TorchTrainer workers (DDP over gloo/NCCL): read their equal share of the Parquet parts
             (ParquetShard; online: the Ray Data pipeline's get_dataset_shard), TTT unroll
-            (ttt.py), AdamW (or Muon + AdamW) + warmup/cosine, grad clipping, bf16 autocast (GPU, bf16 CPUs); report metrics every `log_every` steps,
-            evaluate every `eval_every`, checkpoint every `checkpoint_every`
+            (ttt.py), AdamW (or Muon + AdamW) + warmup/cosine, grad clipping, bf16 autocast
+            (GPU, bf16 CPUs); report metrics every `log_every` steps, evaluate every
+            `eval_every`, checkpoint every `checkpoint_every`
     rank 0 at the end: a self-describing drafter directory (checkpoint.py), metrics CSV/JSON, PNG
 
 Resume = run the same command again (same --output): Ray Train V2 hands the latest checkpoint
@@ -527,8 +528,9 @@ def make_optimizers(cfg: TrainConfig, model) -> list[torch.optim.Optimizer]:
     adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if cfg.optimizer == "adamw":
         return [torch.optim.AdamW([p for _, p in named], **adamw)]
-    hidden = [p for n, p in named if p.dim() == 2 and "lm_head" not in n]
-    rest = [p for n, p in named if not (p.dim() == 2 and "lm_head" not in n)]
+    on_muon = [p.dim() == 2 and "lm_head" not in n for n, p in named]
+    hidden = [p for (_, p), m in zip(named, on_muon) if m]
+    rest = [p for (_, p), m in zip(named, on_muon) if not m]
     return [torch.optim.AdamW(rest, **adamw),
             torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
                              adjust_lr_fn="match_rms_adamw")]
@@ -577,9 +579,9 @@ def full_state(model, opts=None, everywhere: bool = False) -> tuple[dict, dict]:
     it. Only rank 0 gets them unless `everywhere`."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_state_dict)
+                                                         get_optimizer_state_dict, get_state_dict)
     if not dist.is_initialized():                  # a plain module, one process
-        return model.state_dict(), get_state_dict(model, opts)[1] if opts else {}
+        return model.state_dict(), get_optimizer_state_dict(model, opts) if opts else {}
     options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     if opts is None:
         return get_model_state_dict(model, options=options), {}
