@@ -2,6 +2,7 @@
 
     scripts/gpu_check.sh                                   # = python -m eagle3_ray.gpu_check
     python -m eagle3_ray.gpu_check --out /tmp/gc.json --work /tmp/gc   # no CUDA: the CPU path
+    scripts/gpu_check.sh --quick               # CUDA: the same steps at QUICK sizes (~2.5 min)
 
 With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user would type
 (printed, then run in this process, so the Ray-backed steps share one local Ray):
@@ -34,11 +35,18 @@ SIZES = {
     "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
     "branches": ((2, 3), (2,)),
 }
+# --quick: the CUDA sizes for a few minutes of GPU time (2026-12-04 on one H200: 147 s in all,
+# of which Ray and model start-up is most).
+QUICK = {"samples": 64, "max_length": 256, "max_steps": 10, "depths": (0, 2, 4, 8), "prompts": 2,
+         "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,)}
 
 
-def commands(cuda: bool, gpus: int, work: str) -> list[tuple[str, list[str], str | None]]:
+def commands(cuda: bool, gpus: int, work: str,
+             quick: bool = False) -> list[tuple[str, list[str], str | None]]:
     """(step name, eagle3-ray argv, the step it needs) for this machine."""
     def size(key):
+        if cuda and quick and key in QUICK:
+            return QUICK[key]
         return SIZES[key][0 if cuda else 1]
 
     hs, drafter = os.path.join(work, "hs"), os.path.join(work, "train-ddp", "drafter")
@@ -131,7 +139,8 @@ def gloo_allreduce_curve() -> dict:
             "alpha_us": p.interconnect.latency_us, "bandwidth_gbps": p.interconnect.bandwidth_gbps}
 
 
-def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check") -> int:
+def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check",
+              quick: bool = False) -> int:
     """Run the steps (CUDA or the CPU path), write `out`; 0 if every step passed."""
     import shutil
     from eagle3_ray import cli
@@ -148,10 +157,11 @@ def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check") ->
     work = os.path.abspath(work)
     shutil.rmtree(work, ignore_errors=True)          # a fresh run: no resumed extraction/training
     os.makedirs(work)
-    result = {"check": "gpu_check", "mode": "cuda" if cuda else "cpu", "machine": info,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": {}}
+    result = {"check": "gpu_check", "mode": "cuda" if cuda else "cpu", "quick": quick and cuda,
+              "machine": info, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "steps": {}}
     t_all = time.perf_counter()
-    for name, argv, needs in commands(cuda, gpus, work):
+    for name, argv, needs in commands(cuda, gpus, work, quick):
         step = result["steps"][name] = {"command": "eagle3-ray " + " ".join(argv)}
         if needs and not result["steps"][needs]["ok"]:
             step.update(ok=False, skipped=f"{needs} failed")
@@ -187,8 +197,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/gpu_check.json", help="the JSON to write")
     p.add_argument("--work", default="runs/gpu_check", help="step outputs (emptied first)")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller CUDA sizes (QUICK): the same steps in a few minutes")
     a = p.parse_args(argv)
-    return run_check(a.out, a.work)
+    return run_check(a.out, a.work, a.quick)
 
 
 if __name__ == "__main__":

@@ -376,11 +376,13 @@ class MetricSums:
             self.t[i * k:i * k + n] += torch.tensor(m[key], dtype=torch.float64)
         self.t[-3:] += torch.tensor([loss, 1.0, tokens], dtype=torch.float64)
 
-    def reduce(self) -> torch.Tensor:
-        t = self.t.clone()
+    def reduce(self, device) -> torch.Tensor:
+        """The sums over all workers, on the CPU. The all-reduce runs on `device`: NCCL has no
+        CPU tensors (gloo takes both)."""
+        t = self.t.to(device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(t)
-        return t
+        return t.cpu()
 
     def summarize(self, t: torch.Tensor, prefix: str) -> dict:
         k = self.steps
@@ -591,7 +593,7 @@ def full_state(model, opts=None, everywhere: bool = False) -> tuple[dict, dict]:
 def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opts, teacher, hidden,
                 device, eval_sums, eval_shard, with_eval: bool, with_checkpoint: bool) -> float:
     """All-reduce the metrics since the last report, maybe evaluate, report (+ checkpoint)."""
-    t = sums.reduce()
+    t = sums.reduce(device)
     metrics = {"step": state["step"], "epoch": state["epoch"], "lr": lr,
                "train_s": state["train_s"],
                "tokens_per_s": float(t[-1]) / max(1e-9, time.perf_counter() - t_last),
@@ -623,7 +625,7 @@ def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums, shard) -> di
                                    targets=cfg.targets)
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
     inner.train()
-    return sums.summarize(sums.reduce(), "eval/")
+    return sums.summarize(sums.reduce(device), "eval/")
 
 
 def report(cfg, rank, state, metrics, model, opts, with_checkpoint: bool):

@@ -115,7 +115,9 @@ def load_verifier(spec: str, dtype: torch.dtype | None = None, num_gpus: int = 0
     accelerate device map (per-GPU limit `max_gpu_memory`, e.g. "70GiB")."""
     from transformers import AutoModelForCausalLM
     device = "cuda" if num_gpus > 0 else "cpu"
-    kwargs = {"dtype": dtype or default_dtype(device)}
+    # use_kernels=False: transformers >= 5.2x otherwise swaps in kernels fetched from the Hugging
+    # Face hub on CUDA (kernels-community/rotary, ...): a network call at load time.
+    kwargs = {"dtype": dtype or default_dtype(device), "use_kernels": False}
     if num_gpus > 1:
         kwargs["device_map"] = "auto"
         if max_gpu_memory:

@@ -27,6 +27,9 @@ def drafter_dir(tiny_verifier, tmp_path):
 
 def test_hf_generate_matches_speculator_depth0(fp32, tiny_verifier, tiny_tokenizer, one_thread):
     model = verifier.load_verifier(tiny_verifier)
+    # transformers' default swaps in hub kernels (a network fetch on CUDA; it failed the first
+    # GPU check offline): the verifier must load without them.
+    assert model.use_kernels is False
     eos = verifier.eos_ids(model, tiny_tokenizer)
     prompt = data.prompt_ids(tiny_tokenizer, [{"role": "user", "content": "Tell me about rivers"}])
     sp = speculate.SamplingParams(max_tokens=12, eos_ids=eos)

@@ -39,6 +39,12 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     assert a.drafter == str(tmp_path / "train-ddp" / "drafter")
     fn, a = parsed(steps["profile"][0], monkeypatch)
     assert fn is cli.cmd_profile and a.drafter == str(tmp_path / "train-ddp" / "drafter")
+    quick = {n: argv for n, argv, _ in gpu_check.commands(True, 4, str(tmp_path), quick=True)}
+    assert cli.extract_config(parsed(quick["extract"], monkeypatch)[1]).sample_limit == 64
+    assert cli.train_config(parsed(quick["train_ddp"], monkeypatch)[1]).max_steps == 10
+    assert parsed(quick["bench_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
+    cpu = gpu_check.commands(False, 0, str(tmp_path))
+    assert cpu == gpu_check.commands(False, 0, str(tmp_path), quick=True)   # CUDA sizes only
 
 
 @pytest.mark.slow

@@ -208,6 +208,9 @@ def test_depth_curriculum_lr_schedule_and_precision():
     sums.add(m, 1.0, 10)
     s = sums.summarize(sums.t, "")
     assert s["acc_0"] == 1.0 and s["acc_2"] == 0.0
+    # reduce() moves the sums to the worker's device for the all-reduce (NCCL takes no CPU
+    # tensors; only the GPU check exercises that) and hands them back on the CPU.
+    assert torch.equal(sums.reduce(torch.device("cpu")), sums.t)
 
 
 def test_vocab_source_and_recompute_choices():
