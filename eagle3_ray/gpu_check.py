@@ -13,6 +13,8 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
                   length, outputs identical to depth 0's, the planner's prediction; and 2 or 3
                   chains verified as one tree at depths 2-4 (serve --branches)
   4. profile      verify/draft times of this machine; with n > 1 the NCCL all-reduce curve
+  5. quality      (--quality-minutes M) 3,000 conversations extracted, the default ttt-8 recipe
+                  trained for M minutes, served on 20 held-out prompts: served acceptance
 Without CUDA it says so, runs the same four steps at tiny sizes on the CPU (2 gloo workers,
 depths 0-2) plus the all-reduce curve with gloo between 2 processes (the code path of the NCCL
 one), and exits 0 when they pass (1 when a step fails). Writes --out (runs/gpu_check.json):
@@ -35,14 +37,18 @@ SIZES = {
     "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
     "branches": ((2, 3), (2,)),
 }
+# --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
+# held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
+QUALITY = {"samples": (3000, 8), "max_length": (2048, 96), "ttt_steps": (8, 2),
+           "depths": ((0, 2, 4, 8), (0, 2)), "prompts": (20, 1), "max_tokens": (64, 6)}
 # --quick: the CUDA sizes for a few minutes of GPU time (2026-12-04 on one H200: 147 s in all,
 # of which Ray and model start-up is most).
 QUICK = {"samples": 64, "max_length": 256, "max_steps": 10, "depths": (0, 2, 4, 8), "prompts": 2,
          "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,)}
 
 
-def commands(cuda: bool, gpus: int, work: str,
-             quick: bool = False) -> list[tuple[str, list[str], str | None]]:
+def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
+             quality_minutes: float = 0.0) -> list[tuple[str, list[str], str | None]]:
     """(step name, eagle3-ray argv, the step it needs) for this machine."""
     def size(key):
         if cuda and quick and key in QUICK:
@@ -69,13 +75,41 @@ def commands(cuda: bool, gpus: int, work: str,
     profile = ["profile", "--drafter", drafter, "--out", os.path.join(work, "profile.yaml"),
                "--max-tokens", str(size("profile_tokens")), "--reps", str(size("profile_reps"))]
     profile += [] if cuda else ["--context", "32"]
-    return [("extract", extract, None),
-            ("train_ddp", train + ["--output", os.path.join(work, "train-ddp"),
-                                   "--parallel", "ddp"], "extract"),
-            ("train_fsdp", train + ["--output", os.path.join(work, "train-fsdp"),
-                                    "--parallel", "fsdp"], "extract"),
-            ("bench_serve", bench, "train_ddp"),
-            ("profile", profile, "train_ddp")]
+    steps = [("extract", extract, None),
+             ("train_ddp", train + ["--output", os.path.join(work, "train-ddp"),
+                                    "--parallel", "ddp"], "extract"),
+             ("train_fsdp", train + ["--output", os.path.join(work, "train-fsdp"),
+                                     "--parallel", "fsdp"], "extract"),
+             ("bench_serve", bench, "train_ddp"),
+             ("profile", profile, "train_ddp")]
+    return steps + (quality_commands(cuda, gpus, work, quality_minutes) if quality_minutes else [])
+
+
+def quality_commands(cuda: bool, gpus: int, work: str, minutes: float) -> list:
+    """Extract the first 3,000 embedded conversations, train the default recipe (ttt 8; batch
+    16 on GPUs) for `minutes`, serve it on 20 held-out prompts: served acceptance per
+    position."""
+    def size(key):
+        return QUALITY[key][0 if cuda else 1]
+
+    hs, run = os.path.join(work, "quality-hs"), os.path.join(work, "train-quality")
+    extract = ["extract", "--inputs", "embedded:sharegpt", "--output", hs,
+               "--limit", str(size("samples")), "--max-length", str(size("max_length"))]
+    extract += (["--dtype", "bfloat16", "--replicas", str(gpus), "--gpus-per-replica", "1"]
+                if cuda else ["--batch-rows", "8"])
+    train = ["train", "--dataset", hs, "--output", run, "--ttt-steps", str(size("ttt_steps")),
+             "--max-minutes", str(minutes), "--max-steps", str(10**7),
+             "--max-seq-len", str(size("max_length"))]
+    # CUDA: batch 16 (the CPU recipe's 4 leaves a GPU step launch-bound, 81 ms on an H200)
+    train += (["--use-gpu", "--num-workers", str(gpus), "--precision", "bf16", "--batch-size",
+               "16"] if cuda
+              else ["--num-workers", "1", "--draft-vocab-size", "4096", "--eval-fraction", "0.25"])
+    serve = ["bench", "serve", "--drafter", os.path.join(run, "drafter"), "--no-peers",
+             "--samples", str(size("prompts")), "--max-tokens", str(size("max_tokens")),
+             "--depths", *map(str, size("depths")), "--out", os.path.join(work, "quality-bench"),
+             "--no-dynamic"] + (["--gpus", "1"] if cuda else [])
+    return [("quality_extract", extract, None), ("quality_train", train, "quality_extract"),
+            ("quality_serve", serve, "quality_train")]
 
 
 def machine() -> dict:
@@ -89,17 +123,22 @@ def machine() -> dict:
             "cpus": os.cpu_count()}
 
 
-def figures(name: str, work: str) -> dict:
+def figures(name: str, work: str, hs: str | None = None) -> dict:
     """What a step's outputs say, for the JSON."""
     if name == "extract":
-        m = json.load(open(os.path.join(work, "hs", "manifest.json")))
+        m = json.load(open(os.path.join(hs or os.path.join(work, "hs"), "manifest.json")))
         s = m["summary"]
         return {"samples": s["samples"], "tokens": s["tokens"], "dtype": m["facts"]["dtype"],
                 "wall_s": s["this_run"].get("wall_s"),
                 "tokens_per_s": s["this_run"].get("tokens_per_s"),
                 "skipped": s["skipped"]}
-    if name.startswith("train"):
-        run = os.path.join(work, name.replace("_", "-"))
+    if name == "quality_extract":
+        return figures("extract", work, os.path.join(work, "quality-hs"))
+    if name == "quality_serve":
+        return served_figures(os.path.join(work, "quality-bench", "serve.json"))
+    if name.startswith("train") or name == "quality_train":
+        run = os.path.join(work, {"quality_train": "train-quality"}.get(
+            name, name.replace("_", "-")))
         hist = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl")) if x.strip()]
         last, meta = hist[-1], json.load(open(os.path.join(run, "drafter", "meta.json")))
         tc = meta.get("train_config", {})
@@ -126,6 +165,21 @@ def figures(name: str, work: str) -> dict:
     return {}
 
 
+def served_figures(path: str) -> dict:
+    """bench serve's run at its deepest depth: served acceptance per position, conditional
+    acceptance (a_k), acceptance length; tokens/s against depth 0 at every depth."""
+    from eagle3_ray import planner
+    r = json.load(open(path))
+    deep = r["runs"][str(max(int(d) for d in r["runs"] if d.isdigit()))]
+    drafted, accepted = deep["drafted_per_position"], deep["accepted_per_position"]
+    return {"depth": deep["depth"], "prompts": r["prompts"], "rounds": deep["rounds"],
+            "served_acc": [round(a / max(1, d), 4) for a, d in zip(accepted, drafted)],
+            "served_cond_acc": [round(c, 4) for c in planner.cond_from_counts(drafted, accepted)],
+            "acceptance_length": deep["acceptance_length"],
+            "speedup_by_depth": {d: x["speedup"] for d, x in r["runs"].items()},
+            "all_identical": r["all_identical"]}
+
+
 def gloo_allreduce_curve() -> dict:
     """The NCCL curve's code path with gloo between 2 CPU processes (no CUDA here)."""
     from eagle3_ray import planner
@@ -140,7 +194,7 @@ def gloo_allreduce_curve() -> dict:
 
 
 def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check",
-              quick: bool = False) -> int:
+              quick: bool = False, quality_minutes: float = 0.0) -> int:
     """Run the steps (CUDA or the CPU path), write `out`; 0 if every step passed."""
     import shutil
     from eagle3_ray import cli
@@ -161,7 +215,7 @@ def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check",
               "machine": info, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "steps": {}}
     t_all = time.perf_counter()
-    for name, argv, needs in commands(cuda, gpus, work, quick):
+    for name, argv, needs in commands(cuda, gpus, work, quick, quality_minutes):
         step = result["steps"][name] = {"command": "eagle3-ray " + " ".join(argv)}
         if needs and not result["steps"][needs]["ok"]:
             step.update(ok=False, skipped=f"{needs} failed")
@@ -199,8 +253,11 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="runs/gpu_check", help="step outputs (emptied first)")
     p.add_argument("--quick", action="store_true",
                    help="smaller CUDA sizes (QUICK): the same steps in a few minutes")
+    p.add_argument("--quality-minutes", type=float, default=0.0, metavar="M",
+                   help="then train the default ttt-8 recipe on 3,000 conversations for M "
+                        "minutes and measure its served acceptance (QUALITY)")
     a = p.parse_args(argv)
-    return run_check(a.out, a.work, a.quick)
+    return run_check(a.out, a.work, a.quick, a.quality_minutes)
 
 
 if __name__ == "__main__":

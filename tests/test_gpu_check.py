@@ -43,6 +43,13 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     assert cli.extract_config(parsed(quick["extract"], monkeypatch)[1]).sample_limit == 64
     assert cli.train_config(parsed(quick["train_ddp"], monkeypatch)[1]).max_steps == 10
     assert parsed(quick["bench_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
+    long = {n: argv for n, argv, _ in gpu_check.commands(True, 1, str(tmp_path),
+                                                          quality_minutes=4)}
+    t = cli.train_config(parsed(long["quality_train"], monkeypatch)[1])
+    assert (t.max_minutes, t.ttt_steps, t.use_gpu, t.max_seq_len, t.batch_size) == (
+        4.0, 8, True, 2048, 16)
+    assert cli.extract_config(parsed(long["quality_extract"], monkeypatch)[1]).sample_limit == 3000
+    assert parsed(long["quality_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
     cpu = gpu_check.commands(False, 0, str(tmp_path))
     assert cpu == gpu_check.commands(False, 0, str(tmp_path), quick=True)   # CUDA sizes only
 
@@ -52,7 +59,8 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     out, work = tmp_path / "gpu_check.json", tmp_path / "work"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--out", str(out),
-                        "--work", str(work)], cwd=tmp_path, env=env, capture_output=True,
+                        "--work", str(work), "--quality-minutes", "0.05"], cwd=tmp_path, env=env,
+                       capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "no CUDA on this machine" in r.stdout and "all steps passed" in r.stdout
@@ -60,7 +68,7 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     assert g["mode"] == "cpu" and g["ok"] and not g["machine"]["cuda"]
     s = g["steps"]
     assert set(s) == {"extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
-                      "allreduce_gloo"}
+                      "quality_extract", "quality_train", "quality_serve", "allreduce_gloo"}
     assert all(x["ok"] for x in s.values())
     assert all(s[n]["command"].startswith("eagle3-ray ") for n in s if n != "allreduce_gloo")
     f = {n: x["figures"] for n, x in s.items()}
@@ -74,3 +82,8 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     assert sorted(f["profile"]["verify_ms"]) == ["1", "2", "3"] and f["profile"]["gpus"] == 1
     assert len(f["allreduce_gloo"]["allreduce_us"]) == len(planner.CURVE_TOKENS)
     assert (work / "train-fsdp" / "drafter" / "model.safetensors").is_file()
+    q = f["quality_serve"]                                   # served at the deepest depth, 2
+    assert q["depth"] == 2 and q["rounds"] > 0 and q["all_identical"]
+    assert len(q["served_acc"]) == 2 and all(0 <= a <= 1 for a in q["served_acc"])
+    assert sorted(q["speedup_by_depth"]) == ["0", "2"] and q["acceptance_length"] >= 1
+    assert f["quality_train"]["steps"] >= 1 and f["quality_extract"]["samples"] > 0
