@@ -39,7 +39,7 @@ SIZES = {
 }
 # --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
 # held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
-QUALITY = {"samples": (3000, 8), "max_length": (2048, 96), "ttt_steps": (8, 2),
+QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
            "depths": ((0, 2, 4, 8), (0, 2)), "prompts": (20, 1), "max_tokens": (64, 6)}
 # --quick: the CUDA sizes for a few minutes of GPU time (2026-12-04 on one H200: 147 s in all,
 # of which Ray and model start-up is most).

@@ -47,7 +47,7 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
                                                           quality_minutes=4)}
     t = cli.train_config(parsed(long["quality_train"], monkeypatch)[1])
     assert (t.max_minutes, t.ttt_steps, t.use_gpu, t.max_seq_len, t.batch_size) == (
-        4.0, 8, True, 2048, 16)
+        4.0, 8, True, 1024, 16)
     assert cli.extract_config(parsed(long["quality_extract"], monkeypatch)[1]).sample_limit == 3000
     assert parsed(long["quality_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
     cpu = gpu_check.commands(False, 0, str(tmp_path))
