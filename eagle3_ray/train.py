@@ -479,7 +479,7 @@ def train_loop_per_worker(loop: dict) -> None:
             gathered = _all_gather_ids(ids, world)
             seen.update(gathered)
             state["consumed"] += len(gathered)
-            sums.add(m, float(loss), int(b["attention_mask"].sum()))
+            sums.add(m, float(loss.detach()), int(b["attention_mask"].sum()))
             wait["tokens"] += int(b["attention_mask"].sum())
             step = state["step"]
             if step < cfg.max_steps and (step % cfg.log_every == 0
