@@ -65,7 +65,8 @@ def materialize(spec: str) -> str:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32,
+                                                 use_kernels=False)   # see load_verifier
     del model.config.quantization_config  # the weights are already de-quantized fp32:
     model.hf_quantizer = None              # save them as plain safetensors
     tmp = f"{out}.tmp-{os.getpid()}"
