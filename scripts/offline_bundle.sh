@@ -22,6 +22,7 @@ while [ $# -gt 0 ]; do
 done
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+"$PY" -c "import tomllib" 2>/dev/null || { echo "offline_bundle.sh: needs Python >= 3.11 here (tomllib); set PYTHON" >&2; exit 2; }
 TARGET=(--only-binary=:all: --python-version "$PYV" --implementation cp)
 for p in manylinux1 manylinux2014 manylinux_2_17 manylinux_2_27 manylinux_2_28 manylinux_2_31 \
          manylinux_2_34; do TARGET+=(--platform "${p}_x86_64"); done
