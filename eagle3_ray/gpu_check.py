@@ -127,10 +127,13 @@ def figures(name: str, work: str, hs: str | None = None) -> dict:
     """What a step's outputs say, for the JSON."""
     if name == "extract":
         m = json.load(open(os.path.join(hs or os.path.join(work, "hs"), "manifest.json")))
-        s = m["summary"]
+        s, run = m["summary"], m["summary"]["this_run"]
+        # wall_s includes Ray's and the actors' start-up (most of a short run's time, 2026-12-04
+        # on an H200); actor_batch_s: the time inside the actors' batches, summed over actors
         return {"samples": s["samples"], "tokens": s["tokens"], "dtype": m["facts"]["dtype"],
-                "wall_s": s["this_run"].get("wall_s"),
-                "tokens_per_s": s["this_run"].get("tokens_per_s"),
+                "wall_s": run.get("wall_s"), "tokens_per_s": run.get("tokens_per_s"),
+                "actor_init_s": run.get("actor_init_s"), "actor_batch_s": run.get("actor_batch_s"),
+                "tokens_per_actor_s": run["tokens"] / max(run.get("actor_batch_s") or 0, 1e-9),
                 "skipped": s["skipped"]}
     if name == "quality_extract":
         return figures("extract", work, os.path.join(work, "quality-hs"))

@@ -73,6 +73,8 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     assert all(s[n]["command"].startswith("eagle3-ray ") for n in s if n != "allreduce_gloo")
     f = {n: x["figures"] for n, x in s.items()}
     assert f["extract"]["samples"] > 0 and f["extract"]["dtype"] == "bfloat16"
+    e = f["extract"]                          # the actors' batch time is inside the wall time
+    assert 0 < e["actor_batch_s"] < e["wall_s"] and e["tokens_per_actor_s"] > e["tokens_per_s"]
     for n, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):
         assert f[n]["steps"] == 2 and f[n]["parallel"] == parallel and f[n]["num_workers"] == 2
         assert f[n]["last_loss"] > 0
