@@ -47,6 +47,20 @@ QUICK = {"samples": 64, "max_length": 256, "max_steps": 10, "depths": (0, 2, 4, 
          "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,)}
 
 
+def step_dir(work: str, name: str) -> str:
+    """Where a step writes: hs/ (extract), bench/ (bench_serve), else its name with dashes."""
+    return os.path.join(work, {"extract": "hs", "bench_serve": "bench"}.get(
+        name, name.replace("_", "-")))
+
+
+def _extract(cuda: bool, gpus: int, out: str, samples: int, max_length: int) -> list[str]:
+    """`eagle3-ray extract` of the embedded default: bf16 on every GPU, or the CPU's rows."""
+    argv = ["extract", "--inputs", "embedded:sharegpt", "--output", out, "--limit", str(samples),
+            "--max-length", str(max_length)]
+    return argv + (["--dtype", "bfloat16", "--replicas", str(gpus), "--gpus-per-replica", "1"]
+                   if cuda else ["--batch-rows", "8"])
+
+
 def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
              quality_minutes: float = 0.0) -> list[tuple[str, list[str], str | None]]:
     """(step name, eagle3-ray argv, the step it needs) for this machine."""
@@ -55,11 +69,8 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
             return QUICK[key]
         return SIZES[key][0 if cuda else 1]
 
-    hs, drafter = os.path.join(work, "hs"), os.path.join(work, "train-ddp", "drafter")
-    extract = ["extract", "--inputs", "embedded:sharegpt", "--output", hs,
-               "--limit", str(size("samples")), "--max-length", str(size("max_length"))]
-    extract += (["--dtype", "bfloat16", "--replicas", str(gpus), "--gpus-per-replica", "1"]
-                if cuda else ["--batch-rows", "8"])
+    hs, drafter = step_dir(work, "extract"), os.path.join(step_dir(work, "train_ddp"), "drafter")
+    extract = _extract(cuda, gpus, hs, size("samples"), size("max_length"))
     train = ["train", "--dataset", hs, "--ttt-steps", str(size("ttt_steps")),
              "--max-steps", str(size("max_steps")), "--warmup-steps", "2", "--log-every", "1",
              "--eval-every", "0", "--checkpoint-every", str(size("max_steps")),
@@ -69,16 +80,16 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
                     "4096", "--eval-fraction", "0.25"])
     bench = ["bench", "serve", "--drafter", drafter, "--samples", str(size("prompts")),
              "--max-tokens", str(size("max_tokens")), "--no-peers",
-             "--depths", *map(str, size("depths")), "--out", os.path.join(work, "bench"),
+             "--depths", *map(str, size("depths")), "--out", step_dir(work, "bench_serve"),
              "--branches", *map(str, size("branches"))]
     bench += ["--gpus", "1"] if cuda else ["--no-dynamic"]
     profile = ["profile", "--drafter", drafter, "--out", os.path.join(work, "profile.yaml"),
                "--max-tokens", str(size("profile_tokens")), "--reps", str(size("profile_reps"))]
     profile += [] if cuda else ["--context", "32"]
     steps = [("extract", extract, None),
-             ("train_ddp", train + ["--output", os.path.join(work, "train-ddp"),
+             ("train_ddp", train + ["--output", step_dir(work, "train_ddp"),
                                     "--parallel", "ddp"], "extract"),
-             ("train_fsdp", train + ["--output", os.path.join(work, "train-fsdp"),
+             ("train_fsdp", train + ["--output", step_dir(work, "train_fsdp"),
                                      "--parallel", "fsdp"], "extract"),
              ("bench_serve", bench, "train_ddp"),
              ("profile", profile, "train_ddp")]
@@ -92,11 +103,8 @@ def quality_commands(cuda: bool, gpus: int, work: str, minutes: float) -> list:
     def size(key):
         return QUALITY[key][0 if cuda else 1]
 
-    hs, run = os.path.join(work, "quality-hs"), os.path.join(work, "train-quality")
-    extract = ["extract", "--inputs", "embedded:sharegpt", "--output", hs,
-               "--limit", str(size("samples")), "--max-length", str(size("max_length"))]
-    extract += (["--dtype", "bfloat16", "--replicas", str(gpus), "--gpus-per-replica", "1"]
-                if cuda else ["--batch-rows", "8"])
+    hs, run = step_dir(work, "quality_extract"), step_dir(work, "quality_train")
+    extract = _extract(cuda, gpus, hs, size("samples"), size("max_length"))
     train = ["train", "--dataset", hs, "--output", run, "--ttt-steps", str(size("ttt_steps")),
              "--max-minutes", str(minutes), "--max-steps", str(10**7),
              "--max-seq-len", str(size("max_length"))]
@@ -106,7 +114,7 @@ def quality_commands(cuda: bool, gpus: int, work: str, minutes: float) -> list:
               else ["--num-workers", "1", "--draft-vocab-size", "4096", "--eval-fraction", "0.25"])
     serve = ["bench", "serve", "--drafter", os.path.join(run, "drafter"), "--no-peers",
              "--samples", str(size("prompts")), "--max-tokens", str(size("max_tokens")),
-             "--depths", *map(str, size("depths")), "--out", os.path.join(work, "quality-bench"),
+             "--depths", *map(str, size("depths")), "--out", step_dir(work, "quality_serve"),
              "--no-dynamic"] + (["--gpus", "1"] if cuda else [])
     return [("quality_extract", extract, None), ("quality_train", train, "quality_extract"),
             ("quality_serve", serve, "quality_train")]
@@ -123,10 +131,11 @@ def machine() -> dict:
             "cpus": os.cpu_count()}
 
 
-def figures(name: str, work: str, hs: str | None = None) -> dict:
+def figures(name: str, work: str) -> dict:
     """What a step's outputs say, for the JSON."""
-    if name == "extract":
-        m = json.load(open(os.path.join(hs or os.path.join(work, "hs"), "manifest.json")))
+    out = step_dir(work, name)
+    if name in ("extract", "quality_extract"):
+        m = json.load(open(os.path.join(out, "manifest.json")))
         s, run = m["summary"], m["summary"]["this_run"]
         # wall_s includes Ray's and the actors' start-up (most of a short run's time, 2026-12-04
         # on an H200); actor_batch_s: the time inside the actors' batches, summed over actors
@@ -135,15 +144,11 @@ def figures(name: str, work: str, hs: str | None = None) -> dict:
                 "actor_init_s": run.get("actor_init_s"), "actor_batch_s": run.get("actor_batch_s"),
                 "tokens_per_actor_s": run["tokens"] / max(run.get("actor_batch_s") or 0, 1e-9),
                 "skipped": s["skipped"]}
-    if name == "quality_extract":
-        return figures("extract", work, os.path.join(work, "quality-hs"))
     if name == "quality_serve":
-        return served_figures(os.path.join(work, "quality-bench", "serve.json"))
-    if name.startswith("train") or name == "quality_train":
-        run = os.path.join(work, {"quality_train": "train-quality"}.get(
-            name, name.replace("_", "-")))
-        hist = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl")) if x.strip()]
-        last, meta = hist[-1], json.load(open(os.path.join(run, "drafter", "meta.json")))
+        return served_figures(os.path.join(out, "serve.json"))
+    if name in ("train_ddp", "train_fsdp", "quality_train"):
+        hist = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
+        last, meta = hist[-1], json.load(open(os.path.join(out, "drafter", "meta.json")))
         tc = meta.get("train_config", {})
         return {"steps": last["step"], "train_s": last.get("train_s"),
                 "first_loss": hist[0].get("train/loss"), "last_loss": last.get("train/loss"),
@@ -151,7 +156,7 @@ def figures(name: str, work: str, hs: str | None = None) -> dict:
                 "eval_accept_len": last.get("eval/accept_len"),
                 **{k: tc.get(k) for k in ("parallel", "precision", "num_workers", "use_gpu")}}
     if name == "bench_serve":
-        r = json.load(open(os.path.join(work, "bench", "serve.json")))
+        r = json.load(open(os.path.join(out, "serve.json")))
         return {"dtype": r["dtype"], "all_identical": r["all_identical"],
                 "best_depth": r["best_depth"], "best_speedup": r["best_speedup"],
                 "planner_chosen_depth": r["planner"]["chosen_depth"],
