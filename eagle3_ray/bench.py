@@ -340,6 +340,7 @@ SERVE_BRANCHES = ()      # tree arms (--branches K): K chains forked at the firs
                          # (docs/benchmarks.md#bench-serve)
 SERVE_TREE_DEPTHS = (2, 3, 4)   # the fixed depths (of those run) that get tree arms
 SERVE_PROMPT_LOOKUP = (10, 3)   # transformers' docs suggest ~10 tokens; 3 ~ a shallow depth
+SERVE_LOOKUP_DEPTHS = (3, 4, 8)  # arms "lookup{d}": depth d with the server's lookup fallback
 
 
 class _ChunkClock:
@@ -395,7 +396,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0,
                 simulate: str | None = None, dynamic: bool = True, peers: bool = True,
                 prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0,
-                branches=SERVE_BRANCHES) -> dict:
+                branches=SERVE_BRANCHES, lookup_depths=SERVE_LOOKUP_DEPTHS) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (planner.
@@ -408,6 +409,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     branches: tree arms "tree{k}x{d}" for each k > 1 here and each depth d of SERVE_TREE_DEPTHS
     run: k chains of d drafts forked at the first, verified in one forward (Speculator
     branches); measured only, no planner prediction.
+    lookup_depths: arms "lookup{d}" (depth d) and, with dynamic, "dynamic-lookup": the same
+    decoder with the server's lookup fallback (speculate.LookupParams(); serve's default);
+    measured only, no planner prediction.
     peers: also transformers' own greedy `generate` and its prompt-lookup speculation with each
     k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
     the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
@@ -452,12 +456,16 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     ps = data.heldout_prompts(tok, prompts)
     trees = {f"tree{k}x{d}": (int(k), d) for k in branches if int(k) > 1
              for d in depths if d in SERVE_TREE_DEPTHS}
-    ours = list(depths) + (["dynamic", "gated"] if dynamic else []) + list(trees)
+    lookups = {f"lookup{d}": int(d) for d in lookup_depths if int(d) > 0}
+    if lookups and dynamic:
+        lookups["dynamic-lookup"] = "dynamic"
+    ours = list(depths) + (["dynamic", "gated"] if dynamic else []) + list(trees) + list(lookups)
+    width = max([max_depth] + [d for d in lookups.values() if d != "dynamic"])   # positions
     gate = planner.chain_threshold(profile, max_depth)
     names = ours + list(peer_ks)                          # every arm, interleaved per prompt
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
-                "drafted": 0, "verify_s": 0.0, "draft_s": 0.0, "outputs": [],
-                "drafted_at": [0] * max_depth, "accepted_at": [0] * max_depth} for d in ours}
+                "drafted": 0, "verify_s": 0.0, "draft_s": 0.0, "outputs": [], "lookup_rounds": 0,
+                "drafted_at": [0] * width, "accepted_at": [0] * width} for d in ours}
     calib = []          # (the drafter's chain probability of drafts 1..k, all k accepted?)
     for i, prompt in enumerate([ps[0]] + ps):            # the first prompt once more as warm-up
         order = names[i % len(names):] + names[:i % len(names)]
@@ -471,11 +479,13 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                     s["tokens"] += len(got["tokens"])
                     s["outputs"].append(got["tokens"])
                 continue
-            depth = (planner.DynamicDepth(profile, prior, max_depth) if d == "dynamic"
-                     else max_depth if d == "gated" else trees[d][1] if d in trees else d)
+            depth = lookups.get(d, d)
+            depth = (planner.DynamicDepth(profile, prior, max_depth) if depth == "dynamic"
+                     else max_depth if d == "gated" else trees[d][1] if d in trees else depth)
             t0, out, rounds = time.perf_counter(), [], []
             for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0,
-                                  branches=trees[d][0] if d in trees else 1):
+                                  branches=trees[d][0] if d in trees else 1,
+                                  lookup=speculate.LookupParams() if d in lookups else None):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -492,11 +502,12 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 s["drafted"] += r.drafted
                 s["verify_s"] += r.verify_s
                 s["draft_s"] += r.draft_s
+                s["lookup_rounds"] += r.lookup
                 chain = 1.0
                 for k in range(r.drafted):
                     s["drafted_at"][k] += 1
                     s["accepted_at"][k] += k < r.accepted
-                    if r.branches == 1:                    # a tree's rounds: no chain prob
+                    if r.branches == 1 and not r.lookup:   # trees, lookups: no chain prob
                         chain *= r.draft_probs[k]
                         calib.append((chain, k < r.accepted))
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
@@ -529,6 +540,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                                                                        base["outputs"])) if a != b]}
         if d in trees:
             row.update(branches=trees[d][0], tree_depth=trees[d][1])
+        elif d in lookups:
+            row.update(lookup_rounds=s["lookup_rounds"], lookup_depth=lookups[d])
         elif d not in ("dynamic", "gated"):
             p = pred["depths"][d]
             row.update(predicted_tokens_per_s=p["tokens_per_s"],
@@ -567,8 +580,16 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                                 "first draft (the drafter's top-k first tokens), verified in "
                                 "one forward; tau = tokens per round, acceptance per position "
                                 "= the longest accepted chain's")
+    if lookups:
+        top = max(lookups, key=lambda d: result_runs[d]["decode_tokens_per_s"])
+        result.update(best_lookup=top, best_lookup_speedup=result_runs[top]["speedup"],
+                      lookup_note="lookup{d} / dynamic-lookup: the decoder with the server's "
+                                  "lookup fallback (a first draft with drafter probability < "
+                                  "0.8 gives way to the continuation of the latest earlier "
+                                  "n-gram of 2-4 tokens ending the context); lookup_rounds: "
+                                  "rounds that verified the lookup's drafts")
     if dynamic:
-        for name in ("dynamic", "gated"):
+        for name in ("dynamic", "gated") + (("dynamic-lookup",) if lookups else ()):
             d = result_runs[name]
             d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
         result_runs["gated"]["chain_threshold"] = gate
@@ -663,7 +684,18 @@ def _plot_serve(result: dict, path: str) -> None:
                 color="#b22", label=f"{k} branches (tree, measured)")
         a2.plot([d for d, _ in pts], [r["acceptance_length"] for _, r in pts], "^-",
                 color="#b22", label=f"{k} branches (tree)")
+    look = sorted((r for r in result["runs"].values() if isinstance(r.get("lookup_depth"), int)),
+                  key=lambda r: r["lookup_depth"])
+    if look:
+        a1.plot([r["lookup_depth"] for r in look], [r["decode_tokens_per_s"] for r in look],
+                "v-", color="#63a", label="with lookup fallback (measured)")
+        a2.plot([r["lookup_depth"] for r in look], [r["acceptance_length"] for r in look],
+                "v-", color="#63a", label="with lookup fallback")
     dyn, gated = result["runs"].get("dynamic"), result["runs"].get("gated")
+    dyn_look = result["runs"].get("dynamic-lookup")
+    if dyn_look:
+        a1.axhline(dyn_look["decode_tokens_per_s"], color="#63a", ls=":",
+                   label=f"dynamic depth + lookup (mean {dyn_look['mean_depth']:.1f})")
     if dyn:
         a1.axhline(dyn["decode_tokens_per_s"], color="#3a5", ls=":",
                    label=f"dynamic depth (mean {dyn['mean_depth']:.1f})")
@@ -682,7 +714,7 @@ def _plot_serve(result: dict, path: str) -> None:
             a2.axhline(r["acceptance_length"], color=color, ls=ls, lw=1, label=label)
     if peers:                                              # room above the lines for the legend
         top = max([r["decode_tokens_per_s"]
-                   for r in peers + runs + trees + [x for x in (dyn, gated) if x]]
+                   for r in peers + runs + trees + look + [x for x in (dyn, gated, dyn_look) if x]]
                   + [r["predicted_tokens_per_s"] for r in runs])
         a1.set_ylim(0, top * 1.7)
     sim = result.get("simulated_interconnect")

@@ -176,6 +176,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "--dynamic-depth: --max-depth)")
     p.add_argument("--branches", type=int, default=1, help="greedy requests: chains forked at "
                    "the first draft, verified together as one tree (1: a plain chain)")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn off the lookup "
+                   "fallback (a doubted first draft gives way to the continuation of an n-gram "
+                   "seen earlier in the request)")
     p.add_argument("--profile", help="node profile for --dynamic-depth / --draft-gate (default: "
                    "measured at start)")
     p.add_argument("--simulate-interconnect", metavar="PROFILE", help="SIMULATION: add this node "
@@ -205,7 +208,7 @@ def serve_config(a: argparse.Namespace):
         verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
         depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
         dynamic_depth=a.dynamic_depth, draft_gate=a.draft_gate, branches=a.branches,
-        profile=a.profile,
+        lookup=a.lookup, profile=a.profile,
         simulate_interconnect=a.simulate_interconnect,
         gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
         node_resource=a.node_resource, num_replicas=a.num_replicas,
@@ -277,6 +280,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branches", type=int, nargs="*", default=[], metavar="K",
                    help="serve: tree arms with K chains forked at the first draft, at those of "
                         "depths 2-4 run (default: none)")
+    p.add_argument("--lookup-depths", type=int, nargs="*", default=[3, 4, 8], metavar="D",
+                   help="serve: arms at depth D with the server's lookup fallback, and one with "
+                        "dynamic depth (default 3 4 8; none: no lookup arms)")
     p.add_argument("--prompt-lookup-tokens", type=int, nargs="+", default=[10, 3], metavar="K",
                    help="serve: prompt_lookup_num_tokens of each prompt-lookup arm (default 10 3)")
     p.add_argument("--minutes", type=float, default=10.0,
@@ -327,7 +333,7 @@ def cmd_bench(a):
                           max_tokens=a.max_tokens, out_dir=a.out, simulate=a.simulate,
                           dynamic=not a.no_dynamic, peers=not a.no_peers,
                           prompt_lookup=tuple(a.prompt_lookup_tokens), num_gpus=a.gpus,
-                          branches=tuple(a.branches),
+                          branches=tuple(a.branches), lookup_depths=tuple(a.lookup_depths),
                           **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray

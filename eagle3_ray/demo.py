@@ -6,7 +6,8 @@ deploys the Ray Serve app (serve.py) with the trained drafter and dynamic depth,
 held-out prompts greedily at depth 0, at the drafter's depth and with no depth (the planner picks
 each round's depth from this replica's measured costs) through HTTP (interleaved, one at a time),
 and reports per-position acceptance (from the server's /metrics), acceptance length, tokens/s
-of each arm, and whether the outputs are identical.
+of each arm, and whether the outputs are identical. The server runs with its defaults, the
+lookup fallback included: acceptance counts every verify round, the lookup's too.
 
     eagle3-ray demo --samples 32 --train-minutes 1 --prompts 2     # a quick CPU run
 """
@@ -115,7 +116,8 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
         report[f"depth_{d}"] = {
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "acceptance_length": (sum(s["accepted_tokens"] for s in spec) + rounds) / max(1, rounds),
-            "mean_depth": sum(s["drafted_tokens"] for s in spec) / max(1, rounds)}
+            "mean_depth": sum(s["drafted_tokens"] for s in spec) / max(1, rounds),
+            "lookup_rounds": sum(s["lookup_rounds"] for s in spec)}   # serve's lookup fallback
     base = report["depth_0"]["tokens_per_s"]
     report["speedup"] = report[f"depth_{depth}"]["tokens_per_s"] / base
     report["speedup_dynamic"] = report["depth_dynamic"]["tokens_per_s"] / base
@@ -143,6 +145,9 @@ def print_report(r: dict, run_dir: str) -> None:
           f"{r[f'depth_{d}']['tokens_per_s']:.1f} (x{r['speedup']:.2f}), dynamic depth "
           f"{dyn['tokens_per_s']:.1f} (x{r['speedup_dynamic']:.2f}, mean depth "
           f"{dyn['mean_depth']:.1f}); greedy outputs identical: {r['identical_outputs']}")
+    looked = ", ".join(f"{k.removeprefix('depth_')} {v['lookup_rounds']}" for k, v in r.items()
+                       if k.startswith("depth_") and isinstance(v, dict) and "lookup_rounds" in v)
+    print(f"[demo] rounds drafted by the lookup fallback: {looked}")
     w = r["wall_s"]
     print(f"[demo] wall: extract {w['extract']:.0f}s, train {w['train']:.0f}s, serve "
           f"{w['serve']:.0f}s; report: {run_dir}/report.json, {run_dir}/report.png")

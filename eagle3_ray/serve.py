@@ -62,6 +62,10 @@ class ServeConfig:
                                           # speculative-eagle-topk); sampled ones one chain.
                                           # Pays where a verify of more tokens costs ~the same
                                           # (docs/serve.md#branches)
+    lookup: bool = True                   # the lookup fallback (speculate.LookupParams): a
+                                          # chain round whose first draft the drafter doubts
+                                          # verifies the continuation of an n-gram seen earlier
+                                          # in the request instead (docs/serve.md#lookup-fallback)
     profile: str | None = None            # node profile dynamic depth plans with (name/path);
                                           # None = measured on the replica at start
     simulate_interconnect: str | None = None  # SIMULATION: a node profile whose all-reduce
@@ -162,7 +166,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, str], int] = {}      # (endpoint, status) -> count
         self.c = dict(prompt_tokens=0, generation_tokens=0, rounds=0, drafted_tokens=0,
-                      accepted_tokens=0)
+                      accepted_tokens=0, lookup_rounds=0)
         self.drafted_at: dict[int, int] = {}               # position -> rounds that drafted it
         self.accepted_at: dict[int, int] = {}              # position -> rounds that accepted it
         self.latency = [0] * (len(LATENCY_BUCKETS) + 1)
@@ -186,6 +190,7 @@ class Metrics:
                 if r.drafted == 0 and r is rounds[0]:
                     continue                                   # the prefill's first token
                 self.c["rounds"] += 1
+                self.c["lookup_rounds"] += r.lookup
                 self.c["drafted_tokens"] += r.drafted
                 self.c["accepted_tokens"] += r.accepted
                 for k in range(r.drafted):
@@ -277,6 +282,7 @@ class Engine:
             from eagle3_ray.train import load_trained_drafter
             drafter = load_trained_drafter(cfg.drafter, cfg.verifier)[0]
         self.spec = speculate.Speculator(model, drafter)
+        self.lookup = speculate.LookupParams() if cfg.lookup and drafter is not None else None
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         self.depth_profile, self.prior = depth_planning(cfg, self.spec)
@@ -379,6 +385,7 @@ def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | No
     spec = {"depth": "dynamic" if callable(depth) else depth, "rounds": len(verify),
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_length": (accepted + len(verify)) / max(1, len(verify)),
+            "lookup_rounds": sum(r.lookup for r in verify),
             "accepted_per_position": [sum(r.accepted > k for r in verify)
                                       for k in range(deepest)]}
     if callable(depth) or gated:
@@ -401,7 +408,8 @@ class _Job:
         self.server, self.prompt, self.depth, self.endpoint = server, prompt, depth, endpoint
         self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
         branches = server.engine.cfg.branches if sp.temperature == 0 else 1   # trees: greedy
-        self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate, branches)
+        self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate, branches,
+                                               server.engine.lookup)
         self.text = speculate.TextStream(server.engine.tok, stop)
         self.rounds: list[speculate.Round] = []
         self.closed = False

@@ -20,6 +20,13 @@ wins; the cache keeps x and its accepted drafts. It pays where a verify of k·D+
 about what D+1 do (a PCIe node, where all-reduce latency sets the cost); on a 2-core CPU each
 path's gathered keys cost more than the top-2..k first-token hits bring (docs/serve.md).
 
+Lookup fallback (`lookup=LookupParams(...)`): a round whose first draft the drafter gives
+less than `below` probability, and whose context (prompt + output) ends in an n-gram seen
+earlier in it, verifies the tokens that followed that n-gram instead of the drafter's chain
+(prompt lookup; Arctic Inference pairs suffix decoding with its speculator the same way).
+Measured on the embedded default, the position-0 misses the drafter makes where the verifier
+is surest are mostly copies of names and code from the prompt (docs/serve.md#lookup-fallback).
+
 The drafter's KV cache holds, per position t, the keys of (token t+1, verifier state t); draft
 steps append at t+1, t+2, ... and are dropped after verification — the same pattern the TTT
 unroll trains (ttt.py: step-0 keys causally, plus the drafter's own steps at one position).
@@ -54,6 +61,8 @@ class Round:
     branches: int = 1                     # chains verified together (1 = a plain chain); with
                                           # more, drafted = the longest chain's length and
                                           # draft_probs = ()
+    lookup: bool = False                  # the drafts came from the lookup fallback, not the
+                                          # drafter (draft_probs = ())
 
 
 @dataclass
@@ -63,6 +72,44 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     eos_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class LookupParams:
+    """The lookup fallback of a round (module docstring)."""
+    min_n: int = 2                        # shortest suffix n-gram that counts as a match
+    max_n: int = 4                        # longest tried first
+    below: float = 0.8                    # used when the drafter's first draft has p < this
+                                          # (> 1: whenever there is a match)
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n ({self.min_n}) <= max_n ({self.max_n})")
+
+
+class NgramLookup:
+    """Prompt lookup over one request's tokens: propose(k) -> the up to k tokens that followed
+    the latest earlier occurrence of the longest suffix n-gram (n = max_n down to min_n), or []."""
+
+    def __init__(self, tokens: list[int], min_n: int = 2, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+        self.ids: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}   # n-gram -> where its latest follower is
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            i = len(self.ids)                         # t follows the n-grams ending at i - 1
+            self.ids.append(t)
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self.after[tuple(self.ids[i - n:i])] = i
+
+    def propose(self, k: int) -> list[int]:
+        for n in range(min(self.max_n, len(self.ids)), self.min_n - 1, -1):
+            j = self.after.get(tuple(self.ids[-n:]))
+            if j is not None:
+                return self.ids[j:j + k]
+        return []
 
 
 class DraftKV:
@@ -208,13 +255,22 @@ class Speculator:
         return out, self.drafter.logits(out)[0, -1].float()               # [Vd]
 
     def _draft_chain(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
-                     sp: SamplingParams, gen, min_chain_prob: float = 0.0):
+                     sp: SamplingParams, gen, min_chain_prob: float = 0.0,
+                     fallback: list[int] = (), below: float = 0.0):
         """One round's chain: the drafter absorbs (tokens, aux [1, s, 3H]) into kv, then
         proposes up to `depth` drafts, each step fed its own previous state; the chain stops
         early where the product of its own probabilities falls below min_chain_prob. ->
-        (drafts, their q over the full vocab (None if greedy), the drafter's probabilities)."""
+        (drafts, their q over the full vocab (None if greedy), the drafter's probabilities,
+        whether the drafts are `fallback`'s). fallback: drafts from elsewhere (the lookup),
+        returned instead (q one-hot, no probabilities) when the drafter's first draft has
+        probability < below."""
         drafts, qs, confs, chain = [], [], [], 1.0
         h, logits_d = self._draft_step(tokens, aux, kv)
+        if fallback and float(logits_d.softmax(-1).max()) < below:
+            vocab = self.drafter.t2d.shape[0]
+            qs = [None if sp.temperature == 0 else F.one_hot(torch.tensor(t, device=self.device),
+                                                             vocab).float() for t in fallback]
+            return list(fallback), qs, [], True
         for i in range(depth):
             tok, q, conf = self._propose(logits_d, sp, gen)
             chain *= conf
@@ -225,7 +281,7 @@ class Speculator:
             confs.append(conf)
             if i + 1 < depth:
                 h, logits_d = self._draft_step([tok], h, kv)
-        return drafts, qs, confs
+        return drafts, qs, confs, False
 
     def _draft_branches(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
                         branches: int, min_chain_prob: float = 0.0) -> list[list[int]]:
@@ -271,7 +327,8 @@ class Speculator:
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], sp: SamplingParams, depth: int = 0,
-                 min_chain_prob: float = 0.0, branches: int = 1) -> Iterator[Round]:
+                 min_chain_prob: float = 0.0, branches: int = 1,
+                 lookup: LookupParams | None = None) -> Iterator[Round]:
         """Yield Rounds until EOS or max_tokens; the caller may stop early (stop strings, a
         disconnected client) by closing the generator. `depth` may also be a callable
         (stats so far: list[Round]) -> int, for a depth chosen per round.
@@ -281,7 +338,9 @@ class Speculator:
         looks at the drafts only, never at the verifier, so greedy output and the sampling
         distribution stay exactly the verifier's.
         branches: draft that many chains forked at the first draft and verify them together
-        (module docstring); greedy only."""
+        (module docstring); greedy only.
+        lookup: the lookup fallback's parameters (module docstring); None = off. Its drafts are
+        verified like the drafter's, so the output stays exactly the verifier's."""
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
         if branches > 1 and sp.temperature != 0:
@@ -296,6 +355,7 @@ class Speculator:
         if sp.seed is not None:
             gen = torch.Generator(self.device).manual_seed(sp.seed)
         cache, kv, history = DynamicCache(), DraftKV(), []
+        ngrams = NgramLookup(prompt, lookup.min_n, lookup.max_n) if lookup else None
         t0 = time.perf_counter()
         logits, aux = self._verify(prompt, cache, last_only=True)
         x = self._pick(logits[-1], sp, gen)
@@ -303,6 +363,8 @@ class Speculator:
         emitted = 0
         # the drafter absorbs (token t+1, aux t) for the prompt: tokens prompt[1:] + [x]
         absorb, absorb_aux = prompt[1:] + [x], aux
+        if ngrams is not None:
+            ngrams.extend([x])                             # the context: prompt + output
         r = self._emit([x], 0, 0, sp, emitted, verify_s, 0.0)
         while True:
             history.append(r)
@@ -312,13 +374,15 @@ class Speculator:
                 return
             d = depth(history) if callable(depth) else depth
             t0 = time.perf_counter()
-            drafts, qs, confs, chains = [], [], [], []
+            drafts, qs, confs, chains, looked_up = [], [], [], [], False
             if d > 0 and branches > 1:
                 chains = self._draft_branches(absorb, absorb_aux, kv, d, branches,
                                               min_chain_prob)
             elif d > 0:
-                drafts, qs, confs = self._draft_chain(absorb, absorb_aux, kv, d, sp, gen,
-                                                      min_chain_prob)
+                fallback = ngrams.propose(d) if ngrams is not None else []
+                drafts, qs, confs, looked_up = self._draft_chain(
+                    absorb, absorb_aux, kv, d, sp, gen, min_chain_prob, fallback,
+                    lookup.below if lookup else 0.0)
             t1 = time.perf_counter()
             n = cache.get_seq_length()                     # x goes to position n
             if chains:                                     # a tree: [x, chain 1, chain 2, ..]
@@ -337,6 +401,8 @@ class Speculator:
             t2 = time.perf_counter()
             self._keep_cache(cache, n, keep)
             a, new = len(keep) - 1, [ids[i] for i in keep[1:]] + [bonus]
+            if ngrams is not None:
+                ngrams.extend(new)
             if d > 0:
                 kv.crop(n)                                 # drop the draft steps' keys
                 absorb, absorb_aux = new, aux[:, keep]                     # [1, a+1, 3H]
@@ -345,7 +411,7 @@ class Speculator:
             x = bonus
             drafted = max(map(len, chains)) if chains else len(drafts)
             r = self._emit(new, drafted, a, sp, emitted, t2 - t1, t1 - t0, tuple(confs),
-                           max(1, len(chains)))
+                           max(1, len(chains)), looked_up)
 
     def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> int:
         if sp.temperature == 0:
@@ -399,7 +465,7 @@ class Speculator:
 
     @staticmethod
     def _emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s,
-              draft_probs=(), branches: int = 1):
+              draft_probs=(), branches: int = 1, lookup: bool = False):
         reason = None
         for i, t in enumerate(tokens):
             if t in sp.eos_ids:
@@ -408,7 +474,7 @@ class Speculator:
         if reason is None and emitted + len(tokens) >= sp.max_tokens:
             tokens, reason = tokens[:sp.max_tokens - emitted], "length"
         return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s, draft_probs,
-                     branches)
+                     branches, lookup)
 
 
 class TextStream:

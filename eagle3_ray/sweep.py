@@ -31,12 +31,13 @@ from eagle3_ray import draft, schema, train, ttt
 
 def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4,
               drafter_dir: str = "", served_prompts: int = 0, served_tokens: int = 64) -> dict:
-    """One arm in this process: train for `minutes`, evaluate held-out -> metrics. drafter_dir:
-    save the drafter there; served_prompts > 0: also decode that many held-out prompts with
-    it (quality.served_acceptance; needs drafter_dir)."""
+    """One arm in this process: train for `minutes` (or the arm's own max_minutes), evaluate
+    held-out -> metrics. drafter_dir: save the drafter there; served_prompts > 0: also decode
+    that many held-out prompts with it (quality.served_acceptance; needs drafter_dir)."""
+    minutes = float(overrides.get("max_minutes", minutes))    # e.g. a 2x-budget arm
     with tempfile.TemporaryDirectory() as run_dir:     # prepare() writes vocab.json there
-        cfg = replace(train.TrainConfig(dataset=dataset, output=run_dir), **overrides,
-                      max_minutes=minutes, max_steps=10**9)
+        cfg = replace(train.TrainConfig(dataset=dataset, output=run_dir),
+                      **{**overrides, "max_minutes": minutes}, max_steps=10**9)
         setup = train.prepare(cfg)                     # the checks and draft vocab of `train`
     cfg = replace(cfg, output="")                      # nothing is written for an arm
     torch.manual_seed(cfg.seed)
@@ -103,8 +104,8 @@ def _spawn(dataset: str, name: str, overrides: dict, minutes: float, eval_depth:
 def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: int = 2,
         eval_depth: int = 4, out_dir: str = "runs/bench", name: str = "sweep",
         served_prompts: int = 0, served_tokens: int = 64) -> dict:
-    """Every arm ({name: TrainConfig overrides}) for `minutes`, `parallel` at a time (one core
-    each). served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
+    """Every arm ({name: TrainConfig overrides}) for `minutes` (an arm's max_minutes override
+    sets its own budget and lr schedule), `parallel` at a time (one core each). served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
     decodes that many held-out prompts × served_tokens through the real decoder, in the arm's
     own process (served acceptance). Writes <out_dir>/<name>.json + .png."""
     from eagle3_ray import bench

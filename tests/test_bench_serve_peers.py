@@ -68,8 +68,14 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "[bench] serve peer generate:" in printed and "identical 2/2" in printed
     r = bench.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
-                          spec=tiny_verifier, dynamic=True, peers=False, branches=(2,))
-    assert "peers" not in r and r["all_identical"]      # the dynamic, gated and tree arms too
+                          spec=tiny_verifier, dynamic=True, peers=False, branches=(2,),
+                          lookup_depths=(4,))
+    assert "peers" not in r and r["all_identical"]      # the dynamic, gated, tree and lookup arms
+    for name in ("lookup4", "dynamic-lookup"):          # lookup arms past the deepest fixed one
+        row = r["runs"][name]
+        assert row["identical_to_depth0"] and "predicted_tokens_per_s" not in row
+        assert 0 <= row["lookup_rounds"] <= row["rounds"]
+    assert r["runs"]["lookup4"]["lookup_depth"] == 4 and r["best_lookup"] in r["runs"]
     gated = r["runs"]["gated"]
     assert 0 < gated["chain_threshold"] < 1
     assert 0 <= gated["mean_depth"] <= 3 and "predicted_tokens_per_s" not in gated

@@ -1,5 +1,6 @@
 """The Ray Serve OpenAI app (serve.py) through real HTTP: a real Serve deployment on the test
 Ray cluster, the tiny random verifier and an untrained drafter saved as a real checkpoint."""
+import argparse
 import json
 import os
 import socket
@@ -206,6 +207,7 @@ def test_metrics_reflect_requests(server):
     assert delta("eagle3_ray_rounds_total") == s["rounds"]
     assert delta("eagle3_ray_drafted_tokens_total") == s["drafted_tokens"]
     assert delta("eagle3_ray_accepted_tokens_total") == s["accepted_tokens"]
+    assert delta("eagle3_ray_lookup_rounds_total") == s["lookup_rounds"]
     assert delta('eagle3_ray_drafted_at_position_total{position="2"}') == s["rounds"]
     assert delta('eagle3_ray_accepted_at_position_total{position="0"}') == \
         s["accepted_per_position"][0]
@@ -334,3 +336,29 @@ def test_engine_draft_gate_caps_at_max_depth_and_keeps_output(tiny_verifier, tmp
     spec = serve.usage(len(prompt), rounds, depth, None, gated=True)["speculation"]
     assert spec["gated"] and spec["depth"] == 5
     assert spec["mean_depth"] == sum(r.drafted for r in rounds[1:]) / (len(rounds) - 1)
+
+
+def test_engine_lookup_fallback_on_by_default_and_off(tiny_verifier, tmp_path, one_thread):
+    """The lookup fallback is on unless --no-lookup: the engine hands it to every chain round,
+    the output stays plain decoding's, and usage counts the rounds it drafted."""
+    from eagle3_ray import cli, speculate
+    drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
+    eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
+                                   torch_threads=1))
+    assert eng.lookup == speculate.LookupParams()
+    req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "a b a b a b"}],
+                            temperature=0, max_tokens=24)
+    prompt = eng.prompt_ids(req)
+    sp, depth, _ = eng.sampling(req, len(prompt))
+    rounds = list(eng.spec.generate(prompt, sp, depth, lookup=eng.lookup))
+    plain = [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
+    assert [t for r in rounds for t in r.tokens] == plain
+    spec = serve.usage(len(prompt), rounds, depth, None)["speculation"]
+    assert spec["lookup_rounds"] == sum(r.lookup for r in rounds) > 0   # a looping tiny model
+    off = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, lookup=False,
+                                   torch_threads=1))
+    assert off.lookup is None
+    p = argparse.ArgumentParser()
+    cli.add_serve_args(p)
+    assert cli.serve_config(p.parse_args(["--drafter", drafter, "--no-lookup"])).lookup is False
+    assert cli.serve_config(p.parse_args(["--drafter", drafter])).lookup is True

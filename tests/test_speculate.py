@@ -29,9 +29,9 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
     return model, drafter
 
 
-def run(spec: Speculator, prompt, sp: SamplingParams, depth, min_chain_prob=0.0):
+def run(spec: Speculator, prompt, sp: SamplingParams, depth, min_chain_prob=0.0, lookup=None):
     out, rounds = [], []
-    for r in spec.generate(prompt, sp, depth, min_chain_prob):
+    for r in spec.generate(prompt, sp, depth, min_chain_prob, lookup=lookup):
         out += r.tokens
         rounds.append(r)
     return out, rounds
@@ -202,13 +202,17 @@ def chi2(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(((o - e) ** 2 / e).sum())
 
 
-@pytest.mark.parametrize("top_p,gate", [(1.0, 0.0), (0.8, 0.0), (1.0, 0.03)])
-def test_sampling_matches_the_verifier_distribution(top_p, gate):
+LOOKUP_ALWAYS = speculate.LookupParams(min_n=1, max_n=2, below=1.01)   # whenever it matches
+
+
+@pytest.mark.parametrize("top_p,gate,lookup", [(1.0, 0.0, None), (0.8, 0.0, None),
+                                               (1.0, 0.03, None), (1.0, 0.0, LOOKUP_ALWAYS)])
+def test_sampling_matches_the_verifier_distribution(top_p, gate, lookup):
     """Rejection sampling keeps the verifier's distribution: the tokens at steps 1-3 over many
     seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
     the drafter's own proposals (what an accept-everything bug would emit) clearly do not.
     Also with confidence-gated chains (gate: min_chain_prob), whose length depends on the
-    drafts."""
+    drafts, and with the lookup fallback (its drafts verified as one-hot proposals)."""
     vocab, n, steps, temp = 12, 800, 3, 1.0
     # 4 layers: the smallest verifier with 3 distinct aux ids >= 1 (verifier.check_layer_ids);
     # seed 3: a drafter far enough from this verifier for the power check below
@@ -217,17 +221,19 @@ def test_sampling_matches_the_verifier_distribution(top_p, gate):
     prompt = [1, 5, 7]
     exact = exact_marginals(model, prompt, temp, top_p, steps)
     counts = [torch.zeros(vocab, dtype=torch.float64) for _ in range(steps)]
-    drafted = accepted = short = 0
+    drafted = accepted = short = looked = 0
     for seed in range(n):
         out, rounds = run(spec, prompt, SamplingParams(max_tokens=steps, temperature=temp,
-                                                       top_p=top_p, seed=seed), 3, gate)
+                                                       top_p=top_p, seed=seed), 3, gate, lookup)
         for k, t in enumerate(out):
             counts[k][t] += 1
         drafted += sum(r.drafted for r in rounds)
         accepted += sum(r.accepted for r in rounds)
-        short += sum(r.drafted < 3 for r in rounds[1:])
+        short += sum(r.drafted < 3 for r in rounds[1:] if not r.lookup)
+        looked += sum(r.lookup for r in rounds)
     assert 0.1 < accepted / drafted < 0.95          # both branches (accept, resample) exercised
     assert (short > 0) == (gate > 0)                # the gate cut some chains short
+    assert (looked > n / 4) == (lookup is not None)  # the lookup's drafts were verified
     critical = 45.3  # chi-square, df <= 20, p = 0.001 (fixed seeds: deterministic)
     for k in range(steps):
         assert chi2(counts[k], exact[k]) < critical, k

@@ -290,7 +290,7 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
     base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,
             "max_seq_len": 96, "ttt_steps": 2, "warmup_steps": 2}
     arms = {"soft": {**base, "targets": "soft", "vocab_from": "tokens"},
-            "hard": {**base, "deep_targets": "agreed"}}
+            "hard": {**base, "deep_targets": "agreed", "max_minutes": 0.1}}   # its own budget
     r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path),
                   served_prompts=1, served_tokens=4)
     for name, run in r["runs"].items():
@@ -304,6 +304,9 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
         served = run["served"]
         assert served["rounds"] > 0 and served["tokens"] > 0 and len(served["cond_acc"]) == 16
     assert r["runs"]["hard"]["config"]["deep_targets"] == "agreed"
+    assert r["runs"]["soft"]["config"]["max_minutes"] == 0.05
+    assert r["runs"]["hard"]["config"]["max_minutes"] == 0.1
+    assert r["runs"]["hard"]["train_s"] >= 0.1 * 60 > r["runs"]["soft"]["train_s"]
     assert r["runs"]["soft"]["vocab_from"] == "input_ids"
     assert r["runs"]["hard"]["vocab_from"] == "target_ids"
     assert r["runs"]["hard"]["config"]["targets"] == "hard"
