@@ -573,21 +573,18 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                       "predicts); prediction = planner.plan(acceptance counted here, this "
                       "machine's verify/draft times measured before and after the runs"
                       + (f" + the SIMULATED interconnect of {simulate})" if simulate else ")")}
-    if trees:
-        top = max(trees, key=lambda d: result_runs[d]["decode_tokens_per_s"])
-        result.update(best_tree=top, best_tree_speedup=result_runs[top]["speedup"],
-                      tree_note="tree{k}x{d}: k greedy chains of d drafts forked at the "
-                                "first draft (the drafter's top-k first tokens), verified in "
-                                "one forward; tau = tokens per round, acceptance per position "
-                                "= the longest accepted chain's")
-    if lookups:
-        top = max(lookups, key=lambda d: result_runs[d]["decode_tokens_per_s"])
-        result.update(best_lookup=top, best_lookup_speedup=result_runs[top]["speedup"],
-                      lookup_note="lookup{d} / dynamic-lookup: the decoder with the server's "
-                                  "lookup fallback (a first draft with drafter probability < "
-                                  "0.8 gives way to the continuation of the latest earlier "
-                                  "n-gram of 2-4 tokens ending the context); lookup_rounds: "
-                                  "rounds that verified the lookup's drafts")
+    notes = {"tree": "tree{k}x{d}: k greedy chains of d drafts forked at the first draft (the "
+                     "drafter's top-k first tokens), verified in one forward; tau = tokens per "
+                     "round, acceptance per position = the longest accepted chain's",
+             "lookup": "lookup{d} / dynamic-lookup: the decoder with the server's lookup "
+                       "fallback (a first draft with drafter probability < 0.8 gives way to "
+                       "the continuation of the latest earlier n-gram of 2-4 tokens ending the "
+                       "context); lookup_rounds: rounds that verified the lookup's drafts"}
+    for kind, arms in (("tree", trees), ("lookup", lookups)):
+        if arms:
+            top = max(arms, key=lambda d: result_runs[d]["decode_tokens_per_s"])
+            result.update({f"best_{kind}": top, f"best_{kind}_speedup": result_runs[top]["speedup"],
+                           f"{kind}_note": notes[kind]})
     if dynamic:
         for name in ("dynamic", "gated") + (("dynamic-lookup",) if lookups else ()):
             d = result_runs[name]

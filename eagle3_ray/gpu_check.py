@@ -35,16 +35,18 @@ SIZES = {
     "samples": (300, 8), "max_length": (512, 96), "ttt_steps": (4, 2), "max_steps": (40, 2),
     "depths": ((0, 1, 2, 3, 4, 6, 8, 12, 16), (0, 1, 2)), "prompts": (8, 1),
     "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
-    "branches": ((2, 3), (2,)),
+    "branches": ((2, 3), (2,)), "lookup_depths": ((4, 8), (2,)),
 }
 # --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
 # held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
 QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
-           "depths": ((0, 2, 4, 8), (0, 2)), "prompts": (20, 1), "max_tokens": (64, 6)}
+           "depths": ((0, 2, 4, 8), (0, 2)), "prompts": (20, 1), "max_tokens": (64, 6),
+           "lookup_depths": ((4, 8), (2,))}
 # --quick: the CUDA sizes for a few minutes of GPU time (2026-12-04 on one H200: 147 s in all,
 # of which Ray and model start-up is most).
 QUICK = {"samples": 64, "max_length": 256, "max_steps": 10, "depths": (0, 2, 4, 8), "prompts": 2,
-         "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,)}
+         "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,),
+         "lookup_depths": (4,)}
 
 
 def step_dir(work: str, name: str) -> str:
@@ -81,7 +83,8 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
     bench = ["bench", "serve", "--drafter", drafter, "--samples", str(size("prompts")),
              "--max-tokens", str(size("max_tokens")), "--no-peers",
              "--depths", *map(str, size("depths")), "--out", step_dir(work, "bench_serve"),
-             "--branches", *map(str, size("branches"))]
+             "--branches", *map(str, size("branches")),
+             "--lookup-depths", *map(str, size("lookup_depths"))]
     bench += ["--gpus", "1"] if cuda else ["--no-dynamic"]
     profile = ["profile", "--drafter", drafter, "--out", os.path.join(work, "profile.yaml"),
                "--max-tokens", str(size("profile_tokens")), "--reps", str(size("profile_reps"))]
@@ -115,7 +118,7 @@ def quality_commands(cuda: bool, gpus: int, work: str, minutes: float) -> list:
     serve = ["bench", "serve", "--drafter", os.path.join(run, "drafter"), "--no-peers",
              "--samples", str(size("prompts")), "--max-tokens", str(size("max_tokens")),
              "--depths", *map(str, size("depths")), "--out", step_dir(work, "quality_serve"),
-             "--no-dynamic"] + (["--gpus", "1"] if cuda else [])
+             "--lookup-depths", *map(str, size("lookup_depths")), "--no-dynamic"] + (["--gpus", "1"] if cuda else [])
     return [("quality_extract", extract, None), ("quality_train", train, "quality_extract"),
             ("quality_serve", serve, "quality_train")]
 
@@ -161,6 +164,8 @@ def figures(name: str, work: str) -> dict:
                 "best_depth": r["best_depth"], "best_speedup": r["best_speedup"],
                 "planner_chosen_depth": r["planner"]["chosen_depth"],
                 "best_tree": r.get("best_tree"), "best_tree_speedup": r.get("best_tree_speedup"),
+                "best_lookup": r.get("best_lookup"),
+                "best_lookup_speedup": r.get("best_lookup_speedup"),
                 "by_depth": {d: {k: x[k] for k in ("tokens_per_s", "decode_tokens_per_s",
                                                    "acceptance_length", "identical_to_depth0")}
                              for d, x in r["runs"].items()}}

@@ -36,6 +36,7 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     fn, a = parsed(steps["bench_serve"][0], monkeypatch)
     assert fn is cli.cmd_bench and a.what == "serve" and a.gpus == 1
     assert a.depths == [0, 1, 2, 3, 4, 6, 8, 12, 16] and a.branches == [2, 3]
+    assert a.lookup_depths == [4, 8]
     assert a.drafter == str(tmp_path / "train-ddp" / "drafter")
     fn, a = parsed(steps["profile"][0], monkeypatch)
     assert fn is cli.cmd_profile and a.drafter == str(tmp_path / "train-ddp" / "drafter")
@@ -43,6 +44,7 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     assert cli.extract_config(parsed(quick["extract"], monkeypatch)[1]).sample_limit == 64
     assert cli.train_config(parsed(quick["train_ddp"], monkeypatch)[1]).max_steps == 10
     assert parsed(quick["bench_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
+    assert parsed(quick["bench_serve"], monkeypatch)[1].lookup_depths == [4]
     long = {n: argv for n, argv, _ in gpu_check.commands(True, 1, str(tmp_path),
                                                           quality_minutes=4)}
     t = cli.train_config(parsed(long["quality_train"], monkeypatch)[1])
@@ -78,14 +80,15 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     for n, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):
         assert f[n]["steps"] == 2 and f[n]["parallel"] == parallel and f[n]["num_workers"] == 2
         assert f[n]["last_loss"] > 0
-    assert sorted(f["bench_serve"]["by_depth"]) == ["0", "1", "2", "tree2x2"]
+    assert sorted(f["bench_serve"]["by_depth"]) == ["0", "1", "2", "lookup2", "tree2x2"]
     assert f["bench_serve"]["all_identical"]                 # greedy: every depth = depth 0
     assert f["bench_serve"]["best_tree"] == "tree2x2"
+    assert f["bench_serve"]["best_lookup"] == "lookup2"
     assert sorted(f["profile"]["verify_ms"]) == ["1", "2", "3"] and f["profile"]["gpus"] == 1
     assert len(f["allreduce_gloo"]["allreduce_us"]) == len(planner.CURVE_TOKENS)
     assert (work / "train-fsdp" / "drafter" / "model.safetensors").is_file()
     q = f["quality_serve"]                                   # served at the deepest depth, 2
     assert q["depth"] == 2 and q["rounds"] > 0 and q["all_identical"]
     assert len(q["served_acc"]) == 2 and all(0 <= a <= 1 for a in q["served_acc"])
-    assert sorted(q["speedup_by_depth"]) == ["0", "2"] and q["acceptance_length"] >= 1
+    assert sorted(q["speedup_by_depth"]) == ["0", "2", "lookup2"] and q["acceptance_length"] >= 1
     assert f["quality_train"]["steps"] >= 1 and f["quality_extract"]["samples"] > 0
