@@ -62,10 +62,11 @@ class ServeConfig:
                                           # speculative-eagle-topk); sampled ones one chain.
                                           # Pays where a verify of more tokens costs ~the same
                                           # (docs/serve.md#branches)
-    lookup: bool = True                   # the lookup fallback (speculate.LookupParams): a
-                                          # chain round whose first draft the drafter doubts
-                                          # verifies the continuation of an n-gram seen earlier
-                                          # in the request instead (docs/serve.md#lookup-fallback)
+    lookup: bool = True                   # builtin engine: the lookup fallback (speculate.
+                                          # LookupParams): a chain round whose first draft the
+                                          # drafter doubts verifies the continuation of an
+                                          # n-gram seen earlier in the request instead
+                                          # (docs/serve.md#lookup-fallback)
     profile: str | None = None            # node profile dynamic depth plans with (name/path);
                                           # None = measured on the replica at start
     simulate_interconnect: str | None = None  # SIMULATION: a node profile whose all-reduce

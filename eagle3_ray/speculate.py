@@ -23,9 +23,10 @@ path's gathered keys cost more than the top-2..k first-token hits bring (docs/se
 Lookup fallback (`lookup=LookupParams(...)`): a round whose first draft the drafter gives
 less than `below` probability, and whose context (prompt + output) ends in an n-gram seen
 earlier in it, verifies the tokens that followed that n-gram instead of the drafter's chain
-(prompt lookup; Arctic Inference pairs suffix decoding with its speculator the same way).
-Measured on the embedded default, the position-0 misses the drafter makes where the verifier
-is surest are mostly copies of names and code from the prompt (docs/serve.md#lookup-fallback).
+(prompt lookup, used only where the drafter doubts itself; Arctic Inference pairs suffix
+decoding with its speculator in the same spirit). Measured on the embedded default, the
+position-0 misses the drafter makes where the verifier is surest are mostly copies of names
+and code from the prompt (docs/serve.md#lookup-fallback).
 
 The drafter's KV cache holds, per position t, the keys of (token t+1, verifier state t); draft
 steps append at t+1, t+2, ... and are dropped after verification — the same pattern the TTT
