@@ -5,8 +5,17 @@ import json
 import pytest
 
 
+@pytest.fixture
+def serve_after(ray_cluster):
+    """Serve's HTTP proxy keeps the first app's port for the whole cluster: shut Serve down
+    after the demo so the next test's app can bind its own."""
+    yield ray_cluster
+    from ray import serve as ray_serve
+    ray_serve.shutdown()
+
+
 @pytest.mark.slow
-def test_demo_runs_the_four_stages_and_reports(ray_cluster, tmp_path, capsys):
+def test_demo_runs_the_four_stages_and_reports(serve_after, tmp_path, capsys):
     from eagle3_ray.demo import DemoConfig, run_demo
     run_dir = tmp_path / "demo"
     cfg = DemoConfig(run_dir=str(run_dir), samples=8, max_length=96, ttt_steps=2,
