@@ -7,9 +7,13 @@ import os
 
 __version__ = "0.1.0"
 
-# OpenMP's default spin-waiting makes each torch matmul ~20x slower when a host runs more busy
-# threads than it has cores (measured on 2 cores: an extractor actor beside the tokenizer actor
-# and the driver). Waiting passively costs little on a dedicated host. Set before torch loads
-# here, so drivers and every Ray worker that imports this package get it; export the variable
-# yourself to choose otherwise.
+# OpenMP threads (torch's libgomp) between parallel regions: spinning for libgomp's default ~3 ms
+# made each matmul ~20x slower when a host runs more busy threads than it has cores (2 cores: an
+# extractor actor beside the tokenizer actor and the driver), so they sleep (PASSIVE). Sleeping
+# at once costs a wake-up per region, which a decode step of a small model pays hundreds of
+# times: plain decoding ran x1.56 (bf16) to x1.7 (fp32) faster with a ~0.1 ms spin first
+# (GOMP_SPINCOUNT, which libgomp honours over the policy), extraction the same
+# (docs/benchmarks.md#openmp-wait-policy). Set before torch loads here, so drivers and every
+# Ray worker that imports this package get both; export either variable to choose otherwise.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")

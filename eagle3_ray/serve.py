@@ -506,9 +506,13 @@ api = FastAPI(title="eagle3_ray")
 class SpeculativeServer:
     def __init__(self, cfg: dict):
         self.cfg = ServeConfig.from_dict(cfg)
-        self.engine = Engine(self.cfg)
-        self.metrics = Metrics()
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="decode")
+        # The engine is built (weights, profile measurement) on the thread that decodes: libgomp
+        # counts the OpenMP threads of every thread's team, and a second team (this thread's,
+        # from loading, plus the decode thread's) outnumbers 2 cores, which cuts its spin-wait
+        # to ~nothing: plain decoding ran x1.65 slower (docs/benchmarks.md#openmp-wait-policy).
+        self.engine = self.pool.submit(Engine, self.cfg).result()
+        self.metrics = Metrics()
 
     def _auth(self, request: Request) -> None:
         key = self.cfg.api_key

@@ -102,3 +102,20 @@ def test_held_out_prompts_are_past_the_training_conversations(tiny_tokenizer):
     a = data.heldout_prompts(tiny_tokenizer, 3, skip=10, max_prompt=64)
     assert len(a) == 3 and all(8 <= len(p) <= 64 for p in a)
     assert data.heldout_prompts(tiny_tokenizer, 3, skip=5000, max_prompt=64) != a
+
+
+def test_openmp_defaults_set_on_import_and_user_values_win():
+    """Importing the package sets libgomp's wait policy and spin (read when torch loads, so
+    the package must set them first); a value the user exported is kept."""
+    import subprocess
+    import sys
+    code = ("import os, eagle3_ray, torch; "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["PASSIVE", "10000"]
+    env["GOMP_SPINCOUNT"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["PASSIVE", "0"]
