@@ -457,6 +457,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     trees = {f"tree{k}x{d}": (int(k), d) for k in branches if int(k) > 1
              for d in depths if d in SERVE_TREE_DEPTHS}
     lookups = {f"lookup{d}": int(d) for d in lookup_depths if int(d) > 0}
+    look = speculate.LookupParams()                       # serve's default fallback
     if lookups and dynamic:
         lookups["dynamic-lookup"] = "dynamic"
     ours = list(depths) + (["dynamic", "gated"] if dynamic else []) + list(trees) + list(lookups)
@@ -485,7 +486,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
             t0, out, rounds = time.perf_counter(), [], []
             for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0,
                                   branches=trees[d][0] if d in trees else 1,
-                                  lookup=speculate.LookupParams() if d in lookups else None):
+                                  lookup=look if d in lookups else None):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -576,10 +577,11 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     notes = {"tree": "tree{k}x{d}: k greedy chains of d drafts forked at the first draft (the "
                      "drafter's top-k first tokens), verified in one forward; tau = tokens per "
                      "round, acceptance per position = the longest accepted chain's",
-             "lookup": "lookup{d} / dynamic-lookup: the decoder with the server's lookup "
-                       "fallback (a first draft with drafter probability < 0.8 gives way to "
-                       "the continuation of the latest earlier n-gram of 2-4 tokens ending the "
-                       "context); lookup_rounds: rounds that verified the lookup's drafts"}
+             "lookup": f"lookup{{d}} / dynamic-lookup: the decoder with the server's lookup "
+                       f"fallback (a first draft with drafter probability < {look.below} gives "
+                       f"way to the continuation of the latest earlier n-gram of "
+                       f"{look.min_n}-{look.max_n} tokens ending the context); lookup_rounds: "
+                       f"rounds that verified the lookup's drafts"}
     for kind, arms in (("tree", trees), ("lookup", lookups)):
         if arms:
             top = max(arms, key=lambda d: result_runs[d]["decode_tokens_per_s"])

@@ -118,7 +118,8 @@ def quality_commands(cuda: bool, gpus: int, work: str, minutes: float) -> list:
     serve = ["bench", "serve", "--drafter", os.path.join(run, "drafter"), "--no-peers",
              "--samples", str(size("prompts")), "--max-tokens", str(size("max_tokens")),
              "--depths", *map(str, size("depths")), "--out", step_dir(work, "quality_serve"),
-             "--lookup-depths", *map(str, size("lookup_depths")), "--no-dynamic"] + (["--gpus", "1"] if cuda else [])
+             "--lookup-depths", *map(str, size("lookup_depths")), "--no-dynamic"]
+    serve += ["--gpus", "1"] if cuda else []
     return [("quality_extract", extract, None), ("quality_train", train, "quality_extract"),
             ("quality_serve", serve, "quality_train")]
 

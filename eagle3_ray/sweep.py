@@ -105,7 +105,8 @@ def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: in
         eval_depth: int = 4, out_dir: str = "runs/bench", name: str = "sweep",
         served_prompts: int = 0, served_tokens: int = 64) -> dict:
     """Every arm ({name: TrainConfig overrides}) for `minutes` (an arm's max_minutes override
-    sets its own budget and lr schedule), `parallel` at a time (one core each). served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
+    sets its own budget and lr schedule), `parallel` at a time (one core each).
+    served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
     decodes that many held-out prompts × served_tokens through the real decoder, in the arm's
     own process (served acceptance). Writes <out_dir>/<name>.json + .png."""
     from eagle3_ray import bench
