@@ -757,7 +757,8 @@ def cpu_facts() -> dict:
             "native_bf16": verifier.native_bf16(),
             "env": {k: os.environ[k] for k in ("EAGLE3_RAY_NATIVE_BF16", "ATEN_CPU_CAPABILITY",
                                                "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
-                                               "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+                                               "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                               "OMP_NUM_THREADS")
                     if k in os.environ}}
 
 
