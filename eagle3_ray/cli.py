@@ -88,7 +88,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     """Flags of TrainConfig (shared with jobs/train.py); defaults are TrainConfig's."""
     from eagle3_ray.train import TrainConfig
     d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    p.add_argument("--dataset", help="hidden-state dataset dir/URI (extract output); or --online")
+    p.add_argument("--dataset", help="hidden-state dataset dir/URI (extract output), or several "
+                   "joined by commas, read as one (e.g. original,regenerated); or --online")
     p.add_argument("--output", required=True, help="run dir: checkpoints, metrics, drafter/")
     p.add_argument("--verifier", default=d["verifier"])
     p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"], help="TTT unroll depth (1-32)")
@@ -306,7 +307,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="sweep: hidden-state dataset (e.g. runs/bench/data/orig, "
                    "what bench quality extracts)")
     p.add_argument("--arm", nargs="+", action="append", metavar="NAME [FIELD=VALUE]",
-                   help="sweep: one arm, a name and its TrainConfig fields (repeat the flag)")
+                   help="sweep: one arm, a name and its TrainConfig fields (repeat the flag); "
+                   "dataset=DIR trains that arm on its own dataset")
     p.add_argument("--parallel", type=int, default=2,
                    help="sweep: arms trained side by side, one core each")
     p.add_argument("--served", action="store_true", help="sweep: keep each arm's drafter and "

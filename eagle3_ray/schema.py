@@ -191,8 +191,20 @@ def resolve_fs(uri: str) -> tuple[pafs.FileSystem, str]:
 
 
 def absolute(uri: str) -> str:
-    """Local paths made absolute (Ray workers run in other working directories); URIs kept."""
+    """Local paths made absolute (Ray workers run in other working directories); URIs kept.
+    Several datasets joined by commas (dataset_uris) are made absolute one by one."""
+    if "," in uri:
+        return ",".join(dataset_uris(uri))
     return uri if "://" in uri or not uri else os.path.abspath(uri)
+
+
+def dataset_uris(dataset: str) -> list[str]:
+    """A dataset argument -> its datasets: several extracted with the same verifier may be
+    joined by commas ("runs/data/orig,runs/data/regen") and are read as one (read_datasets)."""
+    uris = [absolute(u.strip()) for u in dataset.split(",") if u.strip()]
+    if not uris:
+        raise ValueError(f"no dataset in {dataset!r}")
+    return uris
 
 
 def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
@@ -289,6 +301,37 @@ def hidden_storage(manifest_or_facts: dict) -> str:
     """A dataset's hidden-state storage ("bf16" for datasets from before the fact existed)."""
     facts = manifest_or_facts.get("facts", manifest_or_facts)
     return facts.get("hidden_storage", FACT_DEFAULTS["hidden_storage"])
+
+
+def read_datasets(dataset: str, check=None) -> dict:
+    """The manifest of one dataset, or of several joined by commas read as one: the first's
+    facts, the summaries' counts summed, every file with its full location ("uri"). check(uri,
+    manifest) runs on each one first (train: the verifier facts)."""
+    out = None
+    for uri in dataset_uris(dataset):
+        m = read_manifest(uri)
+        if check is not None:
+            check(uri, m)
+        files = [dict(f, uri=f"{uri.rstrip('/')}/{f['name']}") for f in m["files"]]
+        if out is None:
+            out = dict(m, files=files, summary=dict(m.get("summary", {})))
+            continue
+        out["files"] += files
+        for key in ("samples", "tokens", "loss_tokens", "bytes"):
+            out["summary"][key] = out["summary"].get(key, 0) + m["summary"].get(key, 0)
+        out["summary"]["target_ids"] = stores_target_ids(out) and stores_target_ids(m)
+    return out
+
+
+def part_paths(uris: list[str]) -> list[tuple[pafs.FileSystem, str]]:
+    """Full part locations (read_datasets's file "uri"s) -> (filesystem, path) each, one
+    filesystem per dataset directory."""
+    roots, out = {}, []
+    for uri in uris:
+        parent, name = uri.rsplit("/", 1)
+        fs, root = roots.setdefault(parent, resolve_fs(parent))
+        out.append((fs, f"{root}/{name}"))
+    return out
 
 
 def stores_target_ids(manifest: dict) -> bool:

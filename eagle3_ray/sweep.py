@@ -46,8 +46,8 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     d2t, t2d = train.mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
     drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=False,
                                            init=cfg.init)
-    names = [f["name"] for f in manifest["files"]]
-    shard = train.ParquetShard(dataset, names, cfg.eval_fraction, False, 0, 1)
+    parts = [f["uri"] for f in manifest["files"]]
+    shard = train.ParquetShard(parts, cfg.eval_fraction, False, 0, 1)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opts = train.make_optimizers(cfg, drafter)
     amp = train.autocast_dtype(cfg.precision, False)
@@ -68,8 +68,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     drafter.eval()
     sums = train.MetricSums(eval_depth)
     with torch.no_grad(), train.autocast(torch.device("cpu"), amp):
-        for batch in train.ParquetShard(dataset, names, cfg.eval_fraction, True, 0,
-                                        1).iter_batches(4):
+        for batch in train.ParquetShard(parts, cfg.eval_fraction, True, 0, 1).iter_batches(4):
             b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
             loss, m = ttt.ttt_loss(drafter, teacher, b, eval_depth, 1.0, targets="hard")
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
@@ -108,21 +107,25 @@ def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: in
     sets its own budget and lr schedule), `parallel` at a time (one core each).
     served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
     decodes that many held-out prompts × served_tokens through the real decoder, in the arm's
-    own process (served acceptance). Writes <out_dir>/<name>.json + .png."""
+    own process (served acceptance). An arm may set its own `dataset=DIR` (e.g. original
+    against regenerated answers); its teacher-forced figures are then on that dataset's
+    held-out split. Writes <out_dir>/<name>.json + .png."""
     from eagle3_ray import bench
-    dataset = schema.absolute(dataset)
+    data_of = {n: schema.absolute(o.get("dataset", dataset)) for n, o in arms.items()}
     items, runs = list(arms.items()), {}
     served = (served_prompts, served_tokens)
     keep = lambda arm: os.path.join(out_dir, name, arm, "drafter") if served_prompts else ""
     for i in range(0, len(items), parallel):
-        group = [_spawn(dataset, n, o, minutes, eval_depth, keep(n), served)
+        group = [_spawn(data_of[n], n, {k: v for k, v in o.items() if k != "dataset"},
+                        minutes, eval_depth, keep(n), served)
                  for n, o in items[i:i + parallel]]
         for arm, proc in group:
             out, err = proc.communicate()
             line = [x for x in out.splitlines() if x.startswith("RESULT ")]
             if proc.returncode or not line:
                 raise RuntimeError(f"sweep arm {arm!r} failed:\n{err[-3000:]}")
-            runs[arm] = {"group": i // parallel, **json.loads(line[-1][len("RESULT "):])}
+            runs[arm] = {"group": i // parallel, "dataset": data_of[arm],
+                         **json.loads(line[-1][len("RESULT "):])}
             r = runs[arm]
             print(f"[sweep] {arm}: {r['steps']} steps, {r['tokens_per_s']:.0f} tok/s, held-out "
                   f"acc0 {r['acc'][0]:.3f}, tau({eval_depth}) {r['tau_by_depth'][-1]:.2f}, "
@@ -130,8 +133,8 @@ def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: in
                       f"; served acc0 {r['served']['acceptance_per_position'][0]:.3f}, "
                       f"tau(8) {r['served']['tau_by_depth'][8]:.2f}" if "served" in r else ""),
                   flush=True)
-    result = {"bench": name, "dataset": dataset, "minutes": minutes, "parallel": parallel,
-              "threads_per_arm": 1, "host": bench.host_flags(), "runs": runs,
+    result = {"bench": name, "dataset": schema.absolute(dataset), "minutes": minutes,
+              "parallel": parallel, "threads_per_arm": 1, "host": bench.host_flags(), "runs": runs,
               "note": "teacher-forced: held-out split of the dataset, target = the verifier's "
                       "argmax (a target outside the draft vocab counts as a miss); served: the "
                       "real decoder, greedy, held-out prompts (quality.served_acceptance); arms "

@@ -47,7 +47,8 @@ VERIFIER_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "layer_i
 
 @dataclass
 class TrainConfig:
-    dataset: str                          # hidden-state dataset dir/URI (eagle3-ray extract)
+    dataset: str                          # hidden-state dataset dir/URI (eagle3-ray extract);
+                                          # several joined by commas are read as one
     output: str = "runs/train"            # run dir: Ray checkpoints, metrics, final drafter/
     verifier: str = verifier.EMBEDDED_VERIFIER  # must be the dataset's verifier
     ttt_steps: int = 8                    # TTT unroll depth: train for the depth you serve
@@ -202,14 +203,18 @@ def check_config(cfg: TrainConfig) -> None:
 def prepare(cfg: TrainConfig) -> dict:
     """Check the dataset against the verifier, build (or reuse) the draft vocabulary."""
     check_config(cfg)
-    manifest = schema.read_manifest(cfg.dataset)
     config, tok = verifier.load_config(cfg.verifier), verifier.load_tokenizer(cfg.verifier)
-    expected = verifier.verifier_facts(cfg.verifier, config, tok, manifest["facts"]["aux_layer_ids"])
-    schema.check_compatible(manifest, expected, where=schema.manifest_path(cfg.dataset),
-                            fields=VERIFIER_FIELDS)
+
+    def check(uri, manifest):
+        expected = verifier.verifier_facts(cfg.verifier, config, tok,
+                                           manifest["facts"]["aux_layer_ids"])
+        schema.check_compatible(manifest, expected, where=schema.manifest_path(uri),
+                                fields=VERIFIER_FIELDS)
+    manifest = schema.read_datasets(cfg.dataset, check)
     column = vocab_column(cfg, schema.stores_target_ids(manifest))
-    return make_setup(cfg, manifest,
-                      lambda: vocab.count_tokens(cfg.dataset, config.vocab_size, column), column)
+    uris = schema.dataset_uris(cfg.dataset)
+    return make_setup(cfg, manifest, lambda: sum(
+        vocab.count_tokens(u, config.vocab_size, column) for u in uris), column)
 
 
 VOCAB_FROM = ("auto", "targets", "tokens")
@@ -313,13 +318,14 @@ class ParquetShard:
     torch's DistributedSampler.set_epoch or Ray Data's randomize_block_order plus a local
     shuffle do; rows never cross workers, so each worker still reads only its own parts."""
 
-    def __init__(self, uri: str, names: list[str], eval_fraction: float, want_eval: bool,
-                 rank: int, world: int):
+    def __init__(self, parts: list[str], eval_fraction: float, want_eval: bool, rank: int,
+                 world: int):
+        """parts: the full location of each part file (the "uri" of schema.read_datasets's
+        files), of one dataset or of several."""
         self.shuffle = None                                # (seed, epoch); None: manifest order
-        self.fs, root = schema.resolve_fs(uri)
-        self.paths = [f"{root}/{name}" for name in names]
-        rows = [(i, j) for i, path in enumerate(self.paths)
-                for j, sid in enumerate(schema.read_column(self.fs, path, "sample_id"))
+        self.paths = schema.part_paths(parts)              # (filesystem, path) per part
+        rows = [(i, j) for i, (fs, path) in enumerate(self.paths)
+                for j, sid in enumerate(schema.read_column(fs, path, "sample_id"))
                 if is_eval(sid, eval_fraction) == want_eval]               # (part, row)
         if want_eval:  # every row once, in near-equal runs
             self.rows = rows[rank * len(rows) // world:(rank + 1) * len(rows) // world]
@@ -331,7 +337,8 @@ class ParquetShard:
         self.shuffle = (seed, epoch)
 
     def _read(self, part: int, rows: list[int]) -> pa.Table:
-        with self.fs.open_input_file(self.paths[part]) as f:
+        fs, path = self.paths[part]
+        with fs.open_input_file(path) as f:
             return pq.read_table(f).take(pa.array(rows, pa.int64()))
 
     def iter_batches(self, batch_size: int, batch_format: str = "pyarrow", **_):
@@ -767,7 +774,7 @@ def data_shard(setup: dict, cfg: TrainConfig, split: str, rank: int, world: int)
     """This worker's "train" or "eval" data: its ParquetShard of an on-disk dataset, else (online)
     its shard of the Ray Data pipeline."""
     if setup.get("read_parquet"):
-        return ParquetShard(cfg.dataset, [f["name"] for f in setup["manifest"]["files"]],
+        return ParquetShard([f["uri"] for f in setup["manifest"]["files"]],
                             cfg.eval_fraction, split == "eval", rank, world)
     import ray.train
     return ray.train.get_dataset_shard(split)
@@ -880,14 +887,14 @@ def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: 
     """Held-out per-position metrics of a trained drafter unrolled `depth` steps (deeper than
     it was trained is allowed: that is how extrapolation is measured). One process, no Ray."""
     import pyarrow.parquet as pq
-    stored = schema.stores_target_ids(schema.read_manifest(dataset))
+    manifest = schema.read_datasets(dataset)
+    stored = schema.stores_target_ids(manifest)
     drafter, teacher, _ = load_trained_drafter(drafter_dir, spec, teacher_check=not stored)
     amp_dtype = autocast_dtype(precision, False)
     teacher = teacher.to(amp_dtype or torch.float32)
     hidden = drafter.config.hidden_size
     sums = MetricSums(depth)
-    fs, root = schema.resolve_fs(dataset)
-    for path in schema.list_parts(fs, root):
+    for fs, path in schema.part_paths([f["uri"] for f in manifest["files"]]):
         with fs.open_input_file(path) as f:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=64):
                 t = _split(pa.Table.from_batches([rb]), eval_fraction, True)

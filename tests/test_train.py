@@ -85,7 +85,8 @@ def test_killed_worker_resumes_and_a_rerun_continues_into_the_next_epoch(
     samples reached the workers".) Trained with optimizer muon: two optimizers (AdamW + Muon)
     whose states are checkpointed and resumed together."""
     manifest = schema.read_manifest(dataset)
-    rows = ParquetShard(dataset, [f["name"] for f in manifest["files"]], 0.15, False, 0, 2).rows
+    rows = ParquetShard([f"{dataset}/{f['name']}" for f in manifest["files"]], 0.15, False, 0,
+                        2).rows
     per_epoch = -(-len(rows) // 4)                 # batches of 4 on each of the 2 workers
     assert per_epoch >= 5                          # the death at step 4 falls inside epoch 0
     out, marker = tmp_path / "run", tmp_path / "died"
@@ -144,6 +145,25 @@ def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifie
     with pytest.raises(schema.DatasetMismatch, match=r"manifest.json.*hidden_size.*4096"):
         run_train(config(tiny_verifier, str(bad), tmp_path / "run"))
     assert not (tmp_path / "run" / "ray").exists()
+    with pytest.raises(schema.DatasetMismatch, match=rf"{bad}/manifest.json.*hidden_size"):
+        run_train(config(tiny_verifier, f"{dataset},{bad}", tmp_path / "run"))  # the 2nd one
+
+
+def test_several_datasets_are_read_as_one(tiny_verifier, dataset, tmp_path):
+    """`--dataset A,B` (e.g. original and regenerated answers): both manifests checked,
+    every part of both in the shards, each read from its own location."""
+    from eagle3_ray import train
+    other = tmp_path / "other"
+    shutil.copytree(dataset, other)
+    both = f"{dataset},{other}"
+    one, union = schema.read_manifest(dataset), schema.read_datasets(both)
+    assert len(union["files"]) == 2 * len(one["files"])
+    assert union["summary"]["samples"] == 2 * one["summary"]["samples"]
+    assert {f["uri"].rsplit("/", 2)[-2] for f in union["files"]} == {"hs", "other"}
+    setup = train.prepare(config(tiny_verifier, both, tmp_path / "run"))
+    assert setup["manifest"]["files"] == union["files"]
+    rows = lambda files: len(ParquetShard([f["uri"] for f in files], 0.15, False, 0, 1).rows)
+    assert rows(union["files"]) == 2 * rows(schema.read_datasets(dataset)["files"]) > 0
 
 
 def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
@@ -160,7 +180,7 @@ def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
     evals = [s for s in ids if is_eval(s, 0.15)]
 
     def shard_ids(want_eval, rank, world, batch=3, epoch=None):
-        shard = ParquetShard(dataset, names, 0.15, want_eval, rank, world)
+        shard = ParquetShard([f"{root}/{n}" for n in names], 0.15, want_eval, rank, world)
         if epoch is not None:
             shard.set_epoch(7, epoch)
         batches = list(shard.iter_batches(batch_size=batch))
@@ -285,12 +305,16 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
                                                                         tmp_path):
     """bench sweep: two TrainConfig variants side by side for the same minutes, each in a
     fresh one-thread process, evaluated on the held-out split; JSON + PNG written. served:
-    each arm's drafter is kept and decodes a held-out prompt through the real decoder."""
+    each arm's drafter is kept and decodes a held-out prompt through the real decoder. An arm
+    may train on its own dataset."""
     from eagle3_ray import checkpoint, sweep
+    own = tmp_path / "own_data"
+    shutil.copytree(dataset, own)
     base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,
             "max_seq_len": 96, "ttt_steps": 2, "warmup_steps": 2}
     arms = {"soft": {**base, "targets": "soft", "vocab_from": "tokens"},
-            "hard": {**base, "deep_targets": "agreed", "max_minutes": 0.1}}   # its own budget
+            "hard": {**base, "deep_targets": "agreed", "max_minutes": 0.1,   # its own budget
+                     "dataset": f"{dataset},{own}"}}                        # and data (two)
     r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path),
                   served_prompts=1, served_tokens=4)
     for name, run in r["runs"].items():
@@ -301,6 +325,8 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
         assert run["drafter"] == str(tmp_path / "sweep" / name / "drafter")
         _, _, meta = checkpoint.load_drafter(run["drafter"])
         assert meta["steps"] == run["steps"] and meta["verifier"] == tiny_verifier
+        assert meta["dataset"] == run["dataset"] == (f"{dataset},{own}" if name == "hard"
+                                                     else dataset)
         served = run["served"]
         assert served["rounds"] > 0 and served["tokens"] > 0 and len(served["cond_acc"]) == 16
     assert r["runs"]["hard"]["config"]["deep_targets"] == "agreed"
