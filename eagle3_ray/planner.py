@@ -332,35 +332,44 @@ def best_depth(cond_acc: list[float], profile: NodeProfile, max_depth: int | Non
 class DynamicDepth:
     """A request's depth policy (Speculator.generate's `depth` callable): before each round,
     the depth with the best expected tokens/s on `profile`, from this request's own per-position
-    acceptance so far plus a prior (`prior` conditional acceptance, worth `prior_rounds`
-    rounds). Positions past the deepest one drafted so far are extrapolated from the request's
-    own acceptance (extend_acceptance), so a request whose drafts keep being accepted goes
-    deeper and one that keeps missing (code vs chat, say) backs off."""
+    acceptance so far plus a prior.
+
+    Each position's conditional acceptance is its prior (`prior`: the drafter's held-out
+    acceptance, worth `prior_rounds` rounds) updated by the rounds that reached it (drafts
+    before it all accepted): (prior_rounds·a + accepted) / (prior_rounds + reached). Positions
+    past both the prior and the deepest one drafted so far are extrapolated from the request's
+    own figures (extend_acceptance), so a request whose drafts keep being accepted goes deeper
+    and one that keeps missing (code vs chat, say) backs off. Rounds drafted by the lookup
+    fallback (Round.lookup) are left out: their acceptance is the n-gram match's, not the
+    drafter's."""
 
     def __init__(self, profile: NodeProfile, prior: list[float], max_depth: int,
                  prior_rounds: float = 8.0):
-        acc = extend_acceptance(prior, max_depth)[0] if len(prior) < max_depth else prior
+        if not prior:
+            raise ValueError("DynamicDepth needs a prior acceptance for at least position 0")
         self.profile, self.max_depth, self.seen = profile, max_depth, 0
-        p, chain = [], 1.0
-        for a in acc[:max_depth]:
-            chain *= a
-            p.append(chain)
-        self.drafted = [prior_rounds] * max_depth                   # pseudo-counts per position
-        self.accepted = [prior_rounds * x for x in p]
+        self.known = min(len(prior), max_depth)                     # positions the prior gives
+        self.prior = extend_acceptance(list(prior), max(max_depth, len(prior)))[0][:max_depth]
+        self.prior_rounds = prior_rounds
+        self.reached = [0] * max_depth                              # rounds per position that
+        self.accepted = [0] * max_depth                             # reached / accepted it
         self.deepest = 0                                            # positions drafted so far
         self.depths: list[int] = []                                 # chosen per round
 
     def cond_acc(self) -> list[float]:
-        if not self.deepest:
-            return cond_from_counts(self.drafted, self.accepted)
-        seen = cond_from_counts(self.drafted[:self.deepest], self.accepted[:self.deepest])
-        return extend_acceptance(seen, self.max_depth)[0]
+        n = max(self.known, self.deepest)
+        own = [(self.prior_rounds * a + k) / (self.prior_rounds + r)
+               for a, k, r in zip(self.prior[:n], self.accepted, self.reached)]
+        return extend_acceptance(own, self.max_depth)[0]
 
     def __call__(self, history) -> int:
         for r in history[self.seen:]:                               # speculate.Round
-            self.deepest = max(self.deepest, min(r.drafted, self.max_depth))
-            for k in range(min(r.drafted, self.max_depth)):
-                self.drafted[k] += 1
+            if getattr(r, "lookup", False):
+                continue
+            drafted = min(r.drafted, self.max_depth)
+            self.deepest = max(self.deepest, drafted)
+            for k in range(min(drafted, r.accepted + 1)):           # reached: 0..k-1 accepted
+                self.reached[k] += 1
                 self.accepted[k] += k < r.accepted
         self.seen = len(history)
         d = best_depth(self.cond_acc(), self.profile, self.max_depth)

@@ -6,7 +6,8 @@
             (ParquetShard; online: the Ray Data pipeline's get_dataset_shard), TTT unroll
             (ttt.py), AdamW (or Muon + AdamW) + warmup/cosine, grad clipping, bf16 autocast
             (GPU, bf16 CPUs); report metrics every `log_every` steps, evaluate every
-            `eval_every`, checkpoint every `checkpoint_every`
+            `eval_every` (held out, one position past ttt_steps), checkpoint every
+            `checkpoint_every`
     rank 0 at the end: a self-describing drafter directory (checkpoint.py), metrics CSV/JSON, PNG
 
 Resume = run the same command again (same --output): Ray Train V2 hands the latest checkpoint
@@ -43,6 +44,12 @@ from eagle3_ray import checkpoint, draft, schema, ttt, verifier, vocab
 # Dataset facts a drafter's verifier must share (a different max_length or regeneration is fine).
 VERIFIER_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "layer_id_convention",
                    "tokenizer_hash")
+# The held-out eval unrolls this many steps past ttt_steps and reports them (eval/cond_acc_k
+# for k = ttt_steps..): what the drafter does one position deeper than it was trained, measured
+# instead of guessed, is the prior serve's dynamic depth starts from (planner.acceptance_from).
+# They stay out of eval/loss. A ttt-1 drafter: position 1 held out at ~0.1 where position 0 is
+# ~0.45 (docs/benchmarks.md), against 0.9 x position 0 extrapolated.
+EVAL_PROBE_STEPS = 1
 
 
 @dataclass
@@ -448,7 +455,7 @@ def train_loop_per_worker(loop: dict) -> None:
         write_metrics(cfg.output, state["history"])  # rewind the log to the checkpoint
 
     hidden = dcfg.hidden_size
-    sums, eval_sums = MetricSums(cfg.ttt_steps), MetricSums(cfg.ttt_steps)
+    sums, eval_sums = MetricSums(cfg.ttt_steps), MetricSums(cfg.ttt_steps + EVAL_PROBE_STEPS)
     t_last, seen = time.perf_counter(), set(state["seen"])
     shard = data_shard(setup, cfg, "train", rank, world)
     eval_shard = data_shard(setup, cfg, "eval", rank, world)
@@ -620,7 +627,8 @@ def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opts, te
 
 
 def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums, shard) -> dict:
-    """Per-position metrics on this worker's eval shard, all-reduced."""
+    """Per-position metrics on this worker's eval shard, all-reduced: positions 0..ttt_steps
+    (EVAL_PROBE_STEPS past the trained depth, measured, not in eval/loss)."""
     sums.reset()
     inner = unwrap(model)
     inner.eval()
@@ -628,8 +636,9 @@ def evaluate(model, teacher, cfg, hidden, device, sums: MetricSums, shard) -> di
         for batch in shard.iter_batches(
                 batch_size=cfg.batch_size, batch_format="pyarrow"):
             b = {k: v.to(device) for k, v in collate(batch, hidden, cfg.max_seq_len).items()}
-            loss, m = ttt.ttt_loss(inner, teacher, b, cfg.ttt_steps, cfg.step_weight_decay,
-                                   targets=cfg.targets)
+            loss, m = ttt.ttt_loss(inner, teacher, b, cfg.ttt_steps + EVAL_PROBE_STEPS,
+                                   cfg.step_weight_decay, targets=cfg.targets,
+                                   loss_steps=cfg.ttt_steps)
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
     inner.train()
     return sums.summarize(sums.reduce(device), "eval/")
@@ -734,14 +743,14 @@ def finish(cfg: TrainConfig, setup: dict, weights: dict, state: dict) -> None:
     with tempfile.TemporaryDirectory() as d:  # a remote run dir: write here, then upload
         out = os.path.join(root if local else d, "drafter")
         checkpoint.save_drafter(out, state_dict, dcfg, meta)  # atomic, replaces an older one
-        plot_metrics(state["history"], cfg.ttt_steps, os.path.join(out, "accuracy.png"))
+        plot_metrics(state["history"], os.path.join(out, "accuracy.png"))
         if not local:
             fs.create_dir(f"{root}/drafter", recursive=True)
             pa.fs.copy_files(out, f"{root}/drafter", source_filesystem=pa.fs.LocalFileSystem(),
                              destination_filesystem=fs)
 
 
-def plot_metrics(history: list[dict], steps: int, path: str) -> None:
+def plot_metrics(history: list[dict], path: str) -> None:
     """Per-position accuracy and estimated acceptance length vs depth (last eval, else train)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -750,6 +759,8 @@ def plot_metrics(history: list[dict], steps: int, path: str) -> None:
     if m is None:
         return
     prefix = "eval/" if "eval/acc_0" in m else "train/"
+    steps = sum(1 for _ in itertools.takewhile(lambda i: f"{prefix}acc_{i}" in m,
+                                                itertools.count()))   # eval: the probe too
     acc = [m[f"{prefix}acc_{i}"] for i in range(steps)]
     cond = [m[f"{prefix}cond_acc_{i}"] for i in range(steps)]
     tau = ttt.accept_lengths(cond)

@@ -231,7 +231,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
              chunk_size: int = 512, checkpoint_attention: bool = True,
              deep_fraction: float = 1.0, generator=None, targets: str = "soft",
              checkpoint_logits: bool = True, feature_weight: float = 0.0,
-             deep_targets: str = "all"):
+             deep_targets: str = "all", loss_steps: int | None = None):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -258,7 +258,9 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     docstring); its mean per step is reported as feat_k (0 when off).
     deep_targets: "all" = steps past 0 learn at every learnable position; "agreed" = step k
     learns at t only where the data's tokens t+2..t+1+k (the ones fed to steps 1..k) are the
-    verifier's greedy tokens: the chains a served drafter continues (module docstring)."""
+    verifier's greedy tokens: the chains a served drafter continues (module docstring).
+    loss_steps: only steps 0..loss_steps-1 enter the loss (default: all); the steps past them
+    are unrolled and measured only (train.evaluate's probe past the trained depth)."""
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     if ttt_steps < 1:
@@ -354,7 +356,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             hidden = hidden.gather(1, sel[..., None].expand(-1, -1, hidden.shape[-1]))
             positions, chain, agreed = (x.gather(1, sel) for x in (positions, chain, agreed))
             attend.select(sel)
-    weights = [step_weight_decay ** k for k in range(ttt_steps)]
+    weights = [step_weight_decay ** k for k in range(min(ttt_steps, loss_steps or ttt_steps))]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
     metrics = summarize(sums)

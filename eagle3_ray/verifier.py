@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
 
 import torch
 
@@ -234,7 +235,8 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     row may not see masked to -inf after the matmul, softmax, then probabilities @ values; a
     masked key adds an exact 0 to each of a row's sums and those matmuls' per-element results
     depend neither on the rows nor on the keys they carry (checked bit for bit on CPU bf16:
-    2-33 rows, 1 and 2 threads). On other CPUs (bf16 on an AVX2-only one: ATen's fallback GEMM
+    2-33 rows, 1 and 2 threads; with AMX once the keys are padded to a multiple of 32,
+    _pad_keys). On other CPUs (bf16 on an AVX2-only one: ATen's fallback GEMM
     sums over the keys in an order set by their count; on SmolLM2 a 9-token verify then
     differed from 9 decode steps in layer 1) each token attends on its own to exactly the keys
     it sees: the shapes, and so the kernels, of a one-token forward. A fused kernel (SDPA)
@@ -265,12 +267,32 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         return torch.cat(outs, 1), None
     rows = query.reshape(nkv, g * q, d)               # row j·q + i: head kv·g + j, token i
     s = (rows @ key[0].transpose(-1, -2)).float() * scale      # [nkv, g·q, kv]
+    s, v = _pad_keys(s, value[0])                              # [nkv, g·q, kv'], [nkv, kv', D]
     if q > 1:                                                  # token i sees keys 0 .. kv-q+i
         pos = torch.arange(kv - q, kv, device=query.device).repeat(g)            # [g·q]
         hidden = torch.arange(kv, device=query.device) > pos[:, None]             # [g·q, kv]
-        s = s.masked_fill(hidden, float("-inf"))
-    out = s.softmax(-1).to(value.dtype) @ value[0]             # [nkv, g·q, D]
+        s[..., :kv] = s[..., :kv].masked_fill(hidden, float("-inf"))
+    out = s.softmax(-1).to(value.dtype) @ v                    # [nkv, g·q, D]
     return out.reshape(1, nh, q, d).transpose(1, 2), None      # [1, q, nh, D]
+
+
+# The probabilities @ values matmul sums over the keys. With AMX (oneDNN's bf16 tiles take 32
+# keys, 64 bytes, at a time) its result for a row changed with the number of keys carried when
+# that was not a multiple of 32: a 2-token verify then differed from decoding in the last bits
+# on ~0.3% of (keys, tokens) shapes, and greedy outputs diverged on 4 of 12 demo prompts. With
+# the keys padded to a multiple of 32 (zero probabilities, zero values) none did; on AVX512-BF16
+# without AMX it was invariant either way.
+_KEY_BLOCK = 32
+
+
+def _pad_keys(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [.., rows, K] and values [.., K, D] -> both with K padded to a multiple of
+    _KEY_BLOCK: scores with -inf (probability exactly 0), values with zeros."""
+    pad = -s.shape[-1] % _KEY_BLOCK
+    if not pad:
+        return s, v
+    return (torch.nn.functional.pad(s, (0, pad), value=float("-inf")),
+            torch.nn.functional.pad(v, (0, 0, 0, pad)))
 
 
 def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
@@ -319,6 +341,7 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
     pos = torch.arange(kv - q, kv - q + width, device=query.device).repeat(g)      # [g·L]
     s = s.masked_fill(torch.arange(keys.shape[1], device=query.device) > pos[:, None],
                       float("-inf"))                       # path token i sees keys 0 .. cached+i
+    s, v = _pad_keys(s, v)                                                 # K -> K'
     out = s.softmax(-1).to(v.dtype) @ v                                    # [P, nkv, g·L, D]
     out = out.reshape(n_paths, nkv, g, width, d).permute(0, 3, 1, 2, 4)   # [P, L, nkv, g, D]
     return out.reshape(n_paths * width, nh, d)[tree["first"]][None], None  # [1, q, nh, D]
@@ -335,8 +358,12 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
 # - fp32 with 1-2 rows: MKL's W @ x^T streams the weight x1.5 (1 row) / x2.2 (2 rows) faster
 #   than F.linear's x @ W^T (MKL's sgemv; its sgemm for 2-3 rows costs more than for 4).
 # - Below ~64K weight elements the fixed cost per call decides: F.linear ~3 us, oneDNN ~15 us.
+# - With AMX (a Xeon with amx_bf16), oneDNN's bf16 rows agree for 1-32 rows, not from 33 on
+#   (its tiles hold 16 rows; past two of them the blocking changes): batch invariant, more
+#   rows run 32 at a time (a 33-token verify then streams the weights twice).
 _MKL_FEW_ROWS = 2
 _ONEDNN_MIN_ROWS = 4
+_ONEDNN_MAX_ROWS = 32
 _SMALL_WEIGHT = 1 << 16
 
 
@@ -367,7 +394,8 @@ def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
 class FewRowLinear:
     """The forward of one nn.Linear for inference on few rows, through the fastest CPU kernel
     for the row count (see above). batch_invariant: each row's output is bit for bit the same
-    whatever the number of rows (one oneDNN kernel for all, fewer than 4 rows padded to 4).
+    whatever the number of rows (one oneDNN kernel for all, fewer than 4 rows padded to 4, more
+    than 32 run 32 at a time).
     With gradients, on GPUs, for other dtypes and (not batch invariant) small weights: plain
     F.linear (batch invariant: one row padded to two, a one-row GEMV rounds differently from a
     GEMM). The packed copy of the
@@ -376,6 +404,7 @@ class FewRowLinear:
     def __init__(self, layer: torch.nn.Linear, batch_invariant: bool = False):
         self.layer, self.batch_invariant = layer, batch_invariant
         self.packed, self.packed_key = None, None
+        self.few = {}                    # fp32, 1-2 rows: rows -> kernel (tune_few_row_kernels)
 
     def __getstate__(self) -> dict:      # copies and pickles leave the (opaque) packed copy out
         return {**self.__dict__, "packed": None, "packed_key": None}
@@ -388,18 +417,68 @@ class FewRowLinear:
             if rows != 1 or not self.batch_invariant:
                 return torch.nn.functional.linear(x, w, bias)
             return torch.nn.functional.linear(_pad_rows(x, 2), w, bias)[..., :1, :]
-        if rows <= _MKL_FEW_ROWS and w.dtype == torch.float32 and not self.batch_invariant:
-            two = _pad_rows(x, 2).reshape(-1, w.shape[1])                      # [2, K]
+        kernel = self.few.get(rows) or ("mkl" if rows <= _MKL_FEW_ROWS else "onednn")
+        if w.dtype == torch.float32 and not self.batch_invariant and kernel != "onednn":
+            if kernel == "linear":
+                return torch.nn.functional.linear(x, w, bias)
+            if kernel == "rows" and rows == s:                 # one GEMV per row
+                return torch.cat([torch.nn.functional.linear(x[..., i:i + 1, :], w, bias)
+                                  for i in range(s)], -2)
+            two = _pad_rows(x, 2).reshape(-1, w.shape[1])                      # [2+, K]
             y = (w @ two.t()).t()[:rows].contiguous()                          # [rows, N]
             y = y if bias is None else y + bias
             return y.reshape(*x.shape[:-1], w.shape[0])
         key = (w.data_ptr(), w._version, w.dtype)
         if key != self.packed_key:
             self.packed, self.packed_key = torch.ops.mkldnn._reorder_linear_weight(w.detach()), key
+        if rows > _ONEDNN_MAX_ROWS and self.batch_invariant and rows == s:   # 32 at a time
+            return torch.cat([self(x[..., i:i + _ONEDNN_MAX_ROWS, :])
+                              for i in range(0, s, _ONEDNN_MAX_ROWS)], -2)
         if rows < _ONEDNN_MIN_ROWS and self.batch_invariant:
             x = _pad_rows(x, _ONEDNN_MIN_ROWS)                                 # [.., 4, K]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[
             ..., :s, :]
+
+
+FEW_ROW_KERNELS = ("mkl", "onednn", "linear", "rows")
+TUNED_ROWS = 4                   # row counts tune_few_row_kernels times (a depth 0-3 verify)
+
+
+@torch.inference_mode()
+def tune_few_row_kernels(model, context: int = 128, reps: int = 5) -> dict[int, str]:
+    """Which kernel runs the 1..TUNED_ROWS-row fp32 linears of `model` (FewRowLinear, not
+    batch invariant): MKL's W @ x^T, oneDNN with the packed weight, F.linear, or one F.linear
+    GEMV per row, each timed on whole forwards of that many tokens after a `context`-token
+    cache (interleaved, median of `reps`), the fastest kept per row count. It depends on the
+    host: MKL's was fastest for 1-2 rows on the AMD EPYC the defaults were measured on, and on
+    a Xeon capped at AVX2 it made a 1-token forward x2.1 slower than F.linear (75 against
+    36 ms). -> {rows: kernel}; {} when nothing to tune (bf16, GPU, batch invariant)."""
+    from transformers import DynamicCache
+    few = [m.forward for m in model.modules() if isinstance(m, torch.nn.Linear)
+           and isinstance(m.forward, FewRowLinear) and not m.forward.batch_invariant]
+    p = next(model.parameters())
+    if not few or p.dtype != torch.float32 or p.device.type != "cpu":
+        return {}
+    cache = DynamicCache()
+    model(input_ids=torch.arange(context)[None] % model.config.vocab_size, cache=cache,
+          use_cache=True)
+    chosen = {}
+    for rows in range(1, TUNED_ROWS + 1):
+        x = torch.full((1, rows), 7)
+        kernels = [k for k in FEW_ROW_KERNELS if rows > 1 or k != "rows"]
+        times = {k: [] for k in kernels}
+        for _ in range(reps + 1):                                   # the first: warm-up
+            for kernel in kernels:
+                for f in few:
+                    f.few[rows] = kernel
+                t0 = time.perf_counter()
+                model(input_ids=x, cache=cache, use_cache=True)
+                times[kernel].append(time.perf_counter() - t0)
+                cache.crop(-rows)
+        chosen[rows] = min(kernels, key=lambda k: sorted(times[k][1:])[reps // 2])
+        for f in few:
+            f.few[rows] = chosen[rows]
+    return chosen
 
 
 def use_few_row_kernels(model, batch_invariant: bool = False) -> None:

@@ -354,6 +354,28 @@ def test_dynamic_depth_follows_the_request_acceptance():
     assert dd.seen == len(history) and len(dd.depths) == 3
 
 
+def test_dynamic_depth_keeps_a_measured_position_and_leaves_lookup_rounds_out():
+    """A ttt-1 drafter: position 0 held out at 0.45, position 1 (one past its trained depth,
+    the eval's probe) at 0.1. On a host where depth 2 would pay only if position 1 held
+    ~0.9 x position 0 (the old extrapolation), the policy stays at depth 1 through rounds that
+    accept position 0, which say nothing of position 1. Rounds drafted by the lookup fallback,
+    which accept far deeper, do not move it; the same rounds from the drafter do."""
+    from types import SimpleNamespace as Round
+    from transformers import LlamaConfig
+    cpu = P.single_device_profile("cpu", {k: 100.0 + 7 * (k - 1) for k in range(1, 10)}, 5.0,
+                                  LlamaConfig(hidden_size=64))
+    assert P.best_depth([0.45, 0.45 * 0.9], cpu, 2) == 2 and P.best_depth([0.45, 0.1], cpu, 2) == 1
+    dd = P.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
+    assert dd([]) == 1
+    assert dd([Round(drafted=1, accepted=1, lookup=False) for _ in range(30)]) == 1
+    assert dd.cond_acc()[1] == pytest.approx(0.1)
+    deep = [Round(drafted=8, accepted=8, lookup=True) for _ in range(50)]
+    looked = P.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
+    assert looked(deep) == 1 and looked.reached == [0] * 8
+    drafted = P.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
+    assert drafted([Round(drafted=8, accepted=8, lookup=False) for _ in range(50)]) >= 4
+
+
 # --- a measured all-reduce curve instead of α/β -----------------------------------------------
 
 CURVE = {4096: 45.0, 65536: 344.0}        # µs per all-reduce: the published PCIe points

@@ -149,6 +149,53 @@ def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
     assert all(r.accepted == 8 for r in rounds[1:] if r.finish_reason is None)
 
 
+def test_bf16_attention_rows_do_not_depend_on_the_keys_or_tokens_carried():
+    """verifier.batch_invariant_attention in bf16 with SmolLM2's heads (9 query, 3 KV, 64 dims):
+    each token of a q-token verify computes bit for bit what a one-token forward over exactly
+    the keys it sees does, for every cache length 2..140 and q up to 17. On an AMX CPU the
+    probabilities @ values matmul rounded differently when the number of keys was not a
+    multiple of 32 (6 of ~600 shapes; greedy demo outputs then diverged): keys are padded."""
+    from eagle3_ray import verifier
+    torch.manual_seed(0)
+    bad = []
+    with torch.no_grad():
+        for kv in range(2, 141):
+            for q in (2, 3, 5, 9, 17):
+                if q >= kv:
+                    continue
+                query = torch.randn(1, 9, q, 64).bfloat16()
+                key, value = torch.randn(2, 1, 3, kv, 64).bfloat16()
+                joint = verifier.batch_invariant_attention(None, query, key, value, None)[0]
+                for i in range(q):
+                    seen = kv - q + i + 1
+                    one = verifier.batch_invariant_attention(
+                        None, query[:, :, i:i + 1], key[:, :, :seen].contiguous(),
+                        value[:, :, :seen].contiguous(), None)[0]
+                    if not torch.equal(one[0, 0], joint[0, i]):
+                        bad.append((kv, q, i))
+    assert not bad, bad[:10]
+
+
+def test_fp32_speculator_times_its_few_row_kernels():
+    """An fp32 verifier's 1- and 2-row linears run on the kernel that timed fastest here
+    (verifier.tune_few_row_kernels), the drafter's take the same; greedy output unchanged."""
+    from eagle3_ray import verifier
+    model, drafter = tiny_pair(vocab=500)
+    spec = Speculator(model, drafter)
+    assert set(spec.few_row_kernels) == set(range(1, verifier.TUNED_ROWS + 1))
+    assert set(spec.few_row_kernels.values()) <= set(verifier.FEW_ROW_KERNELS)
+    for m in list(model.modules()) + list(drafter.modules()):
+        if isinstance(m, torch.nn.Linear):
+            assert m.forward.few == spec.few_row_kernels
+    prompt, sp = list(range(10, 30)), SamplingParams(max_tokens=20)
+    base, _ = run(spec, prompt, sp, 0)
+    for kernels in ({1: "mkl", 2: "mkl", 3: "rows"}, {1: "onednn", 2: "linear", 3: "mkl"}):
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.forward.few = kernels
+        assert run(spec, prompt, sp, 0)[0] == base and run(spec, prompt, sp, 3)[0] == base
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_row_linear_kernels(dtype):
     """verifier.FewRowLinear: the layer's own output (up to rounding), rows independent of the
@@ -168,6 +215,16 @@ def test_few_row_linear_kernels(dtype):
             torch.testing.assert_close(fast(x[:, :rows]).float(), ref[:, :rows], **tol)
             assert torch.equal(inv(x[:, :rows]), two[:, :rows]), rows
         assert torch.equal(inv(x[:, 4:5]), two[:, 4:5])                  # a row alone
+        # past 32 rows, on SmolLM2's shape (AMX: its blocking changed at 33 there)
+        big = verifier.FewRowLinear(torch.nn.Linear(576, 576, bias=False).to(dtype), True)
+        x40 = torch.randn(1, 40, 576, dtype=dtype)
+        assert torch.equal(big(x40), torch.cat([big(x40[:, i:i + 1]) for i in range(40)], 1))
+        if dtype == torch.float32:                  # each 1-2 row kernel tune_few_row_kernels picks
+            for kernel in verifier.FEW_ROW_KERNELS:
+                fast.few = {1: kernel, 2: kernel, 3: kernel}
+                for rows in (1, 2, 3):
+                    torch.testing.assert_close(fast(x[:, :rows]).float(), ref[:, :rows], **tol)
+            fast.few = {}
         layer.weight.mul_(2.0)                                          # weights change
         ref2 = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
         torch.testing.assert_close(fast(x[:, :5]).float(), ref2[:, :5], **tol)

@@ -48,6 +48,9 @@ def test_loss_falls_and_drafter_is_exported(ray_cluster, tiny_verifier, dataset,
     assert last < 0.8 * first, (first, last)
     assert hist[-1]["train/acc_0"] > hist[0]["train/acc_0"]
     assert {"eval/loss", "eval/accept_len", "eval/acc_2", "eval/cond_acc_2"} <= set(hist[-1])
+    # the held-out eval measures one position past the trained depth; training does not
+    assert "eval/cond_acc_3" in hist[-1] and "eval/cond_acc_4" not in hist[-1]
+    assert "train/acc_2" in hist[-1] and "train/acc_3" not in hist[-1]
     assert 1.0 <= hist[-1]["eval/accept_len"] <= 4.0
 
     drafter = out / "drafter"

@@ -442,6 +442,20 @@ def test_wrapped_model_and_no_grad():
     assert m_ng["loss"] == pytest.approx(float(loss))
 
 
+def test_probe_steps_are_measured_but_stay_out_of_the_loss():
+    """loss_steps: an unroll one step deeper (train.evaluate's probe past the trained depth)
+    gives the same loss and the same metrics at the trained steps, plus the probe's metrics."""
+    drafter, teacher, batch, _ = tiny()
+    loss3, m3 = ttt.ttt_loss(drafter, teacher, batch, 3)
+    loss4, m4 = ttt.ttt_loss(drafter, teacher, batch, 4, loss_steps=3)
+    assert torch.allclose(loss4, loss3) and m4["loss"] == pytest.approx(m3["loss"])
+    for key in ("acc_k", "cond_acc_k", "loss_k", "count"):
+        assert len(m4[key]) == 4 and m4[key][:3] == pytest.approx(m3[key]), key
+    assert m4["count"][3] > 0
+    full, _ = ttt.ttt_loss(drafter, teacher, batch, 4)        # the probe's loss does count here
+    assert not torch.allclose(full, loss3)
+
+
 def test_loss_falls_when_training():
     torch.manual_seed(0)
     drafter, teacher, batch, _ = tiny(dtype=torch.float32)
