@@ -556,6 +556,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
               "drafter_ttt_steps": meta.get("ttt_steps"), "prompts": len(ps),
               "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
               "dtype": str(model.dtype).replace("torch.", ""),
+              "few_row_kernels": {str(k): v for k, v in dec.few_row_kernels.items()},
               "simulated_interconnect": simulate,
               "runs": result_runs, "best_depth": best["depth"], "best_speedup": best["speedup"],
               "all_identical": all(r["identical_to_depth0"] for r in result_runs.values()),

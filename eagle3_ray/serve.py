@@ -283,6 +283,8 @@ class Engine:
             from eagle3_ray.train import load_trained_drafter
             drafter = load_trained_drafter(cfg.drafter, cfg.verifier)[0]
         self.spec = speculate.Speculator(model, drafter)
+        if self.spec.few_row_kernels:
+            log.info(f"fp32 kernels by rows, timed here: {self.spec.few_row_kernels}")
         self.lookup = speculate.LookupParams() if cfg.lookup and drafter is not None else None
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
