@@ -356,7 +356,8 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
 #   on (not 1 vs 2: their blocking differs for K >= 1536), and in bf16 its 1-2 row kernels
 #   are ~7% slower than its 3-4 row ones: batch invariant, fewer rows are padded to 4.
 # - fp32 with 1-2 rows: MKL's W @ x^T streams the weight x1.5 (1 row) / x2.2 (2 rows) faster
-#   than F.linear's x @ W^T (MKL's sgemv; its sgemm for 2-3 rows costs more than for 4).
+#   than F.linear's x @ W^T (MKL's sgemv; its sgemm for 2-3 rows costs more than for 4). That
+#   is the default; the ranking is the host's, so a Speculator times them (tune_few_row_kernels).
 # - Below ~64K weight elements the fixed cost per call decides: F.linear ~3 us, oneDNN ~15 us.
 # - With AMX (a Xeon with amx_bf16), oneDNN's bf16 rows agree for 1-32 rows, not from 33 on
 #   (its tiles hold 16 rows; past two of them the blocking changes): batch invariant, more
@@ -404,7 +405,7 @@ class FewRowLinear:
     def __init__(self, layer: torch.nn.Linear, batch_invariant: bool = False):
         self.layer, self.batch_invariant = layer, batch_invariant
         self.packed, self.packed_key = None, None
-        self.few = {}                    # fp32, 1-2 rows: rows -> kernel (tune_few_row_kernels)
+        self.few = {}                    # fp32, few rows: rows -> kernel (tune_few_row_kernels)
 
     def __getstate__(self) -> dict:      # copies and pickles leave the (opaque) packed copy out
         return {**self.__dict__, "packed": None, "packed_key": None}
