@@ -267,11 +267,11 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         return torch.cat(outs, 1), None
     rows = query.reshape(nkv, g * q, d)               # row j·q + i: head kv·g + j, token i
     s = (rows @ key[0].transpose(-1, -2)).float() * scale      # [nkv, g·q, kv]
-    s, v = _pad_keys(s, value[0])                              # [nkv, g·q, kv'], [nkv, kv', D]
     if q > 1:                                                  # token i sees keys 0 .. kv-q+i
         pos = torch.arange(kv - q, kv, device=query.device).repeat(g)            # [g·q]
         hidden = torch.arange(kv, device=query.device) > pos[:, None]             # [g·q, kv]
-        s[..., :kv] = s[..., :kv].masked_fill(hidden, float("-inf"))
+        s = s.masked_fill(hidden, float("-inf"))
+    s, v = _pad_keys(s, value[0])                              # [nkv, g·q, kv'], [nkv, kv', D]
     out = s.softmax(-1).to(value.dtype) @ v                    # [nkv, g·q, D]
     return out.reshape(1, nh, q, d).transpose(1, 2), None      # [1, q, nh, D]
 
