@@ -341,6 +341,8 @@ SERVE_BRANCHES = ()      # tree arms (--branches K): K chains forked at the firs
 SERVE_TREE_DEPTHS = (2, 3, 4)   # the fixed depths (of those run) that get tree arms
 SERVE_PROMPT_LOOKUP = (10, 3)   # transformers' docs suggest ~10 tokens; 3 ~ a shallow depth
 SERVE_LOOKUP_DEPTHS = (3, 4, 8)  # arms "lookup{d}": depth d with the server's lookup fallback
+SERVE_LOOKUP_BRANCHES = ()       # arms "branch-lookup{d}": depth d, the lookup's match verified
+                                 # beside the drafter's chain (a tree; none by default)
 
 
 class _ChunkClock:
@@ -396,7 +398,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 spec: str = verifier.EMBEDDED_VERIFIER, threads: int = 0,
                 simulate: str | None = None, dynamic: bool = True, peers: bool = True,
                 prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0,
-                branches=SERVE_BRANCHES, lookup_depths=SERVE_LOOKUP_DEPTHS) -> dict:
+                branches=SERVE_BRANCHES, lookup_depths=SERVE_LOOKUP_DEPTHS,
+                lookup_branches=SERVE_LOOKUP_BRANCHES) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (planner.
@@ -412,6 +415,10 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     lookup_depths: arms "lookup{d}" (depth d) and, with dynamic, "dynamic-lookup": the same
     decoder with the server's lookup fallback (speculate.LookupParams(); serve's default);
     measured only, no planner prediction.
+    lookup_branches: arms "branch-lookup{d}" (depth d) and, for each k of `branches`,
+    "tree{k}x{d}+lookup", and with dynamic "dynamic-branch-lookup": the lookup's match
+    verified as one more chain of the tree (speculate.LookupParams(branch=True)); measured
+    only.
     peers: also transformers' own greedy `generate` and its prompt-lookup speculation with each
     k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
     the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
@@ -454,14 +461,21 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = data.heldout_prompts(tok, prompts)
-    trees = {f"tree{k}x{d}": (int(k), d) for k in branches if int(k) > 1
-             for d in depths if d in SERVE_TREE_DEPTHS}
+    branch = speculate.LookupParams(branch=True)
+    trees = {f"tree{k}x{d}": (int(k), d, None) for k in branches if int(k) > 1
+             for d in depths if d in SERVE_TREE_DEPTHS}           # name: (k, depth, lookup)
+    for d in (int(d) for d in lookup_branches if int(d) > 0):
+        trees[f"branch-lookup{d}"] = (1, d, branch)
+        trees.update({f"tree{k}x{d}+lookup": (int(k), d, branch) for k in branches if int(k) > 1})
+    if lookup_branches and dynamic:
+        trees["dynamic-branch-lookup"] = (1, "dynamic", branch)
     lookups = {f"lookup{d}": int(d) for d in lookup_depths if int(d) > 0}
     look = speculate.LookupParams()                       # serve's default fallback
     if lookups and dynamic:
         lookups["dynamic-lookup"] = "dynamic"
     ours = list(depths) + (["dynamic", "gated"] if dynamic else []) + list(trees) + list(lookups)
-    width = max([max_depth] + [d for d in lookups.values() if d != "dynamic"])   # positions
+    width = max([max_depth] + [d for d in lookups.values() if d != "dynamic"]
+                + [t[1] for t in trees.values() if t[1] != "dynamic"])   # positions
     gate = planner.chain_threshold(profile, max_depth)
     names = ours + list(peer_ks)                          # every arm, interleaved per prompt
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
@@ -480,13 +494,13 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                     s["tokens"] += len(got["tokens"])
                     s["outputs"].append(got["tokens"])
                 continue
-            depth = lookups.get(d, d)
+            depth = trees[d][1] if d in trees else lookups.get(d, d)
             depth = (planner.DynamicDepth(profile, prior, max_depth) if depth == "dynamic"
-                     else max_depth if d == "gated" else trees[d][1] if d in trees else depth)
+                     else max_depth if d == "gated" else depth)
             t0, out, rounds = time.perf_counter(), [], []
             for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0,
                                   branches=trees[d][0] if d in trees else 1,
-                                  lookup=look if d in lookups else None):
+                                  lookup=look if d in lookups else trees.get(d, (0, 0, None))[2]):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -508,7 +522,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 for k in range(r.drafted):
                     s["drafted_at"][k] += 1
                     s["accepted_at"][k] += k < r.accepted
-                    if r.branches == 1 and not r.lookup:   # trees, lookups: no chain prob
+                    if r.draft_probs:                      # trees, lookups: no chain prob
                         chain *= r.draft_probs[k]
                         calib.append((chain, k < r.accepted))
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
@@ -541,6 +555,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                                                                        base["outputs"])) if a != b]}
         if d in trees:
             row.update(branches=trees[d][0], tree_depth=trees[d][1])
+            if trees[d][2]:
+                row.update(lookup_branch=True, lookup_rounds=s["lookup_rounds"])
         elif d in lookups:
             row.update(lookup_rounds=s["lookup_rounds"], lookup_depth=lookups[d])
         elif d not in ("dynamic", "gated"):
@@ -577,7 +593,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                       + (f" + the SIMULATED interconnect of {simulate})" if simulate else ")")}
     notes = {"tree": "tree{k}x{d}: k greedy chains of d drafts forked at the first draft (the "
                      "drafter's top-k first tokens), verified in one forward; tau = tokens per "
-                     "round, acceptance per position = the longest accepted chain's",
+                     "round, acceptance per position = the longest accepted chain's; "
+                     "branch-lookup{d} / tree{k}x{d}+lookup: the lookup's match (if any) is one "
+                     "more chain of that tree; lookup_rounds: rounds the lookup's chain won",
              "lookup": f"lookup{{d}} / dynamic-lookup: the decoder with the server's lookup "
                        f"fallback (a first draft with drafter probability < {look.below} gives "
                        f"way to the continuation of the latest earlier n-gram of "
@@ -589,7 +607,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
             result.update({f"best_{kind}": top, f"best_{kind}_speedup": result_runs[top]["speedup"],
                            f"{kind}_note": notes[kind]})
     if dynamic:
-        for name in ("dynamic", "gated") + (("dynamic-lookup",) if lookups else ()):
+        for name in ("dynamic", "gated") + (("dynamic-lookup",) if lookups else ()) + (
+                ("dynamic-branch-lookup",) if lookup_branches else ()):
             d = result_runs[name]
             d["vs_best_fixed"] = d["decode_tokens_per_s"] / best["decode_tokens_per_s"]
         result_runs["gated"]["chain_threshold"] = gate
@@ -672,18 +691,21 @@ def _plot_serve(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     runs = sorted((r for r in result["runs"].values() if isinstance(r["depth"], int)),
                   key=lambda r: r["depth"])
-    trees = [r for r in result["runs"].values() if "branches" in r]
+    trees = [r for r in result["runs"].values() if isinstance(r.get("tree_depth"), int)]
     ds = [r["depth"] for r in runs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     a1.plot(ds, [r["decode_tokens_per_s"] for r in runs], "o-", color="#37a", label="measured")
     a1.plot(ds, [r["predicted_tokens_per_s"] for r in runs], "s--", color="#e83",
             label="predicted (planner)")
-    for k in sorted({r["branches"] for r in trees}):
-        pts = sorted((r["tree_depth"], r) for r in trees if r["branches"] == k)
-        a1.plot([d for d, _ in pts], [r["decode_tokens_per_s"] for _, r in pts], "^-",
-                color="#b22", label=f"{k} branches (tree, measured)")
-        a2.plot([d for d, _ in pts], [r["acceptance_length"] for _, r in pts], "^-",
-                color="#b22", label=f"{k} branches (tree)")
+    for k, lb in sorted({(r["branches"], r.get("lookup_branch", False)) for r in trees}):
+        pts = sorted((r["tree_depth"], r) for r in trees
+                     if r["branches"] == k and r.get("lookup_branch", False) == lb)
+        name = f"{k} branch{'es' if k > 1 else ''}" + (" + lookup" if lb else "")
+        style = dict(color="#2a6" if lb else "#b22", marker="^", ls="-" if k > 1 else ":")
+        a1.plot([d for d, _ in pts], [r["decode_tokens_per_s"] for _, r in pts], **style,
+                label=f"{name} (tree, measured)")
+        a2.plot([d for d, _ in pts], [r["acceptance_length"] for _, r in pts], **style,
+                label=f"{name} (tree)")
     look = sorted((r for r in result["runs"].values() if isinstance(r.get("lookup_depth"), int)),
                   key=lambda r: r["lookup_depth"])
     if look:

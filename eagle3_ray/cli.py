@@ -180,6 +180,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn off the lookup "
                    "fallback (a doubted first draft gives way to the continuation of an n-gram "
                    "seen earlier in the request)")
+    p.add_argument("--lookup-branch", action="store_true", help="greedy requests verify the "
+                   "lookup's match beside the drafter's chain (one tree forward) instead of in "
+                   "its place: pays where more verified tokens cost little (AMX CPUs, GPUs)")
     p.add_argument("--profile", help="node profile for --dynamic-depth / --draft-gate (default: "
                    "measured at start)")
     p.add_argument("--simulate-interconnect", metavar="PROFILE", help="SIMULATION: add this node "
@@ -209,7 +212,7 @@ def serve_config(a: argparse.Namespace):
         verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
         depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
         dynamic_depth=a.dynamic_depth, draft_gate=a.draft_gate, branches=a.branches,
-        lookup=a.lookup, profile=a.profile,
+        lookup=a.lookup, lookup_branch=a.lookup_branch, profile=a.profile,
         simulate_interconnect=a.simulate_interconnect,
         gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
         node_resource=a.node_resource, num_replicas=a.num_replicas,
@@ -284,6 +287,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-depths", type=int, nargs="*", default=[3, 4, 8], metavar="D",
                    help="serve: arms at depth D with the server's lookup fallback, and one with "
                         "dynamic depth (default 3 4 8; none: no lookup arms)")
+    p.add_argument("--lookup-branches", type=int, nargs="*", default=[], metavar="D",
+                   help="serve: arms at depth D with the lookup's match verified beside the "
+                        "drafter's chain (a tree), and with each --branches K (default: none)")
     p.add_argument("--prompt-lookup-tokens", type=int, nargs="+", default=[10, 3], metavar="K",
                    help="serve: prompt_lookup_num_tokens of each prompt-lookup arm (default 10 3)")
     p.add_argument("--minutes", type=float, default=10.0,
@@ -336,6 +342,7 @@ def cmd_bench(a):
                           dynamic=not a.no_dynamic, peers=not a.no_peers,
                           prompt_lookup=tuple(a.prompt_lookup_tokens), num_gpus=a.gpus,
                           branches=tuple(a.branches), lookup_depths=tuple(a.lookup_depths),
+                          lookup_branches=tuple(a.lookup_branches),
                           **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray

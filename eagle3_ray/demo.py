@@ -13,6 +13,7 @@ lookup fallback included: acceptance counts every verify round, the lookup's too
 """
 import json
 import os
+import re
 import shutil
 import socket
 import time
@@ -128,8 +129,17 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
         m.get(f'eagle3_ray_accepted_at_position_total{{position="{k}"}}', 0)
         / max(1, m.get(f'eagle3_ray_drafted_at_position_total{{position="{k}"}}', 0))
         for k in range(depth)]
+    report["few_row_kernels"] = replica_kernels(m)    # what the replica timed (fp32; bf16: none)
     report["sample_output"] = runs[depth][0][0]["choices"][0]["text"] if runs[depth] else ""
     return report
+
+
+def replica_kernels(metrics: dict[str, float]) -> dict[str, str]:
+    """A replica's parsed /metrics -> the fp32 kernel it timed fastest per row count
+    ({"1": "linear", ...}; empty in bf16, where one batch-invariant kernel runs every count)."""
+    found = (re.fullmatch(r'eagle3_ray_fp32_kernel_info\{rows="(\d+)",kernel="(\w+)"\}', k)
+             for k in metrics)
+    return dict(sorted(g.groups() for g in found if g))
 
 
 def print_report(r: dict, run_dir: str) -> None:
@@ -148,6 +158,8 @@ def print_report(r: dict, run_dir: str) -> None:
     looked = ", ".join(f"{k.removeprefix('depth_')} {v['lookup_rounds']}" for k, v in r.items()
                        if k.startswith("depth_") and isinstance(v, dict) and "lookup_rounds" in v)
     print(f"[demo] rounds drafted by the lookup fallback: {looked}")
+    if r.get("few_row_kernels"):
+        print(f"[demo] fp32 kernels the replica timed fastest, by rows: {r['few_row_kernels']}")
     w = r["wall_s"]
     print(f"[demo] wall: extract {w['extract']:.0f}s, train {w['train']:.0f}s, serve "
           f"{w['serve']:.0f}s; report: {run_dir}/report.json, {run_dir}/report.png")

@@ -340,8 +340,8 @@ class DynamicDepth:
     past both the prior and the deepest one drafted so far are extrapolated from the request's
     own figures (extend_acceptance), so a request whose drafts keep being accepted goes deeper
     and one that keeps missing (code vs chat, say) backs off. Rounds drafted by the lookup
-    fallback (Round.lookup) are left out: their acceptance is the n-gram match's, not the
-    drafter's."""
+    fallback, or won by the lookup's chain of a tree (Round.lookup), are left out: their
+    acceptance is the n-gram match's, not the drafter's."""
 
     def __init__(self, profile: NodeProfile, prior: list[float], max_depth: int,
                  prior_rounds: float = 8.0):

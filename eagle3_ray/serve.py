@@ -67,6 +67,10 @@ class ServeConfig:
                                           # drafter doubts verifies the continuation of an
                                           # n-gram seen earlier in the request instead
                                           # (docs/serve.md#lookup-fallback)
+    lookup_branch: bool = False           # greedy requests verify the lookup's match beside
+                                          # the drafter's chain (a tree) instead of in its
+                                          # place; pays where more verified tokens cost little
+                                          # (an AMX CPU, a GPU; docs/serve.md#lookup-branch)
     profile: str | None = None            # node profile dynamic depth plans with (name/path);
                                           # None = measured on the replica at start
     simulate_interconnect: str | None = None  # SIMULATION: a node profile whose all-reduce
@@ -163,8 +167,9 @@ LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class Metrics:
     """This replica's counters, rendered as Prometheus text."""
 
-    def __init__(self):
+    def __init__(self, kernels: dict[int, str] | None = None):
         self.lock = threading.Lock()
+        self.kernels = dict(kernels or {})                  # fp32 rows -> kernel timed at start
         self.requests: dict[tuple[str, str], int] = {}      # (endpoint, status) -> count
         self.c = dict(prompt_tokens=0, generation_tokens=0, rounds=0, drafted_tokens=0,
                       accepted_tokens=0, lookup_rounds=0)
@@ -216,6 +221,11 @@ class Metrics:
             lines += [f"# TYPE {p}accepted_at_position_total counter"]
             lines += [f'{p}accepted_at_position_total{{position="{k}"}} {self.accepted_at.get(k, 0)}'
                       for k in sorted(self.drafted_at)]
+            if self.kernels:                               # Speculator.few_row_kernels
+                lines += [f"# HELP {p}fp32_kernel_info the fp32 kernel timed fastest here for "
+                          f"a linear of that many rows", f"# TYPE {p}fp32_kernel_info gauge"]
+                lines += [f'{p}fp32_kernel_info{{rows="{k}",kernel="{v}"}} 1'
+                          for k, v in sorted(self.kernels.items())]
             lines += [f"# TYPE {p}request_latency_seconds histogram"]
             total = 0
             for b, n in zip(list(LATENCY_BUCKETS) + ["+Inf"], self.latency):
@@ -286,6 +296,8 @@ class Engine:
         if self.spec.few_row_kernels:
             log.info(f"fp32 kernels by rows, timed here: {self.spec.few_row_kernels}")
         self.lookup = speculate.LookupParams() if cfg.lookup and drafter is not None else None
+        self.lookup_greedy = (speculate.LookupParams(branch=True) if self.lookup and
+                              cfg.lookup_branch else self.lookup)     # trees: greedy only
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         self.depth_profile, self.prior = depth_planning(cfg, self.spec)
@@ -411,8 +423,9 @@ class _Job:
         self.server, self.prompt, self.depth, self.endpoint = server, prompt, depth, endpoint
         self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
         branches = server.engine.cfg.branches if sp.temperature == 0 else 1   # trees: greedy
+        lookup = server.engine.lookup_greedy if sp.temperature == 0 else server.engine.lookup
         self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate, branches,
-                                               server.engine.lookup)
+                                               lookup)
         self.text = speculate.TextStream(server.engine.tok, stop)
         self.rounds: list[speculate.Round] = []
         self.closed = False
@@ -514,7 +527,7 @@ class SpeculativeServer:
         # from loading, plus the decode thread's) outnumbers 2 cores, which cuts its spin-wait
         # to ~nothing: plain decoding ran x1.65 slower (docs/benchmarks.md#openmp-wait-policy).
         self.engine = self.pool.submit(Engine, self.cfg).result()
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.engine.spec.few_row_kernels)
 
     def _auth(self, request: Request) -> None:
         key = self.cfg.api_key

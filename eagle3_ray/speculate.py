@@ -26,7 +26,10 @@ earlier in it, verifies the tokens that followed that n-gram instead of the draf
 (prompt lookup, used only where the drafter doubts itself; Arctic Inference pairs suffix
 decoding with its speculator in the same spirit). Measured on the embedded default, the
 position-0 misses the drafter makes where the verifier is surest are mostly copies of names
-and code from the prompt (docs/serve.md#lookup-fallback).
+and code from the prompt (docs/serve.md#lookup-fallback). Lookup branch (greedy; always in a
+tree, `LookupParams(branch=True)` for a single chain): the lookup's tokens are verified as
+one more chain of the tree, next to the drafter's, whatever the drafter's probability; it
+pays where a verify of more tokens costs little more (an AMX CPU, a GPU node).
 
 The drafter's KV cache holds, per position t, the keys of (token t+1, verifier state t); draft
 steps append at t+1, t+2, ... and are dropped after verification — the same pattern the TTT
@@ -63,7 +66,8 @@ class Round:
                                           # more, drafted = the longest chain's length and
                                           # draft_probs = ()
     lookup: bool = False                  # the drafts came from the lookup fallback, not the
-                                          # drafter (draft_probs = ())
+                                          # drafter (draft_probs = ()); in a tree: the lookup's
+                                          # chain was accepted longest
 
 
 @dataclass
@@ -82,6 +86,8 @@ class LookupParams:
     max_n: int = 4                        # longest tried first
     below: float = 0.8                    # used when the drafter's first draft has p < this
                                           # (> 1: whenever there is a match)
+    branch: bool = False                  # verify the match beside the drafter's chain (a
+                                          # 2-chain tree, greedy) instead of in its place
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n:
@@ -346,11 +352,14 @@ class Speculator:
         branches: draft that many chains forked at the first draft and verify them together
         (module docstring); greedy only.
         lookup: the lookup fallback's parameters (module docstring); None = off. Its drafts are
-        verified like the drafter's, so the output stays exactly the verifier's."""
+        verified like the drafter's, so the output stays exactly the verifier's. In a tree
+        (branches > 1, or lookup.branch) the lookup's match is one more chain of the tree."""
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
-        if branches > 1 and sp.temperature != 0:
-            raise ValueError("branches > 1 needs greedy decoding (temperature 0)")
+        tree = branches > 1 or bool(lookup and lookup.branch)
+        if tree and sp.temperature != 0:
+            raise ValueError("branches > 1 and the lookup branch need greedy decoding "
+                             "(temperature 0)")
         if not prompt:
             raise ValueError("empty prompt")
         if sp.max_tokens <= 0:
@@ -381,9 +390,15 @@ class Speculator:
             d = depth(history) if callable(depth) else depth
             t0 = time.perf_counter()
             drafts, qs, confs, chains, looked_up = [], [], [], [], False
-            if d > 0 and branches > 1:
+            if d > 0 and tree:
                 chains = self._draft_branches(absorb, absorb_aux, kv, d, branches,
                                               min_chain_prob)
+                match = ngrams.propose(d) if ngrams is not None else []
+                if match and not any(c[:len(match)] == match for c in chains):
+                    chains.append(match)                   # the lookup's: the last chain
+                    looked_up = True
+                if len(chains) == 1:                       # one chain: a plain verify
+                    drafts, qs, chains = chains[0], [None] * len(chains[0]), []
             elif d > 0:
                 fallback = ngrams.propose(d) if ngrams is not None else []
                 drafts, qs, confs, looked_up = self._draft_chain(
@@ -397,8 +412,9 @@ class Speculator:
                     paths.append([0] + list(range(len(ids), len(ids) + len(c))))
                     ids += c
                 logits, aux = self._verify(ids, cache, tree_paths=paths)   # [s, V]
-                keep = self._accept_tree(ids, paths, logits)   # x + the winner's accepted
+                keep, won = self._accept_tree(ids, paths, logits)   # x + the winner's accepted
                 bonus = int(logits[keep[-1]].argmax())
+                looked_up = looked_up and won == len(paths) - 1   # the lookup's chain won
             else:
                 ids = [x] + drafts
                 logits, aux = self._verify(ids, cache)                     # [d+1, V]
@@ -444,19 +460,21 @@ class Speculator:
         return len(drafts), self._pick(logits[len(drafts)], sp, gen)
 
     @staticmethod
-    def _accept_tree(ids: list[int], paths: list[list[int]], logits: torch.Tensor) -> list[int]:
-        """Greedy acceptance of a tree verify -> the winning path's accepted prefix (indices
-        into ids: the root x, then its accepted drafts): the longest run of drafts that each
-        equal the verifier's argmax at their parent; the first longest wins a tie."""
+    def _accept_tree(ids: list[int], paths: list[list[int]],
+                     logits: torch.Tensor) -> tuple[list[int], int]:
+        """Greedy acceptance of a tree verify -> (the winning path's accepted prefix: indices
+        into ids, the root x, then its accepted drafts; the winner's index in paths, -1 if no
+        draft was accepted): the longest run of drafts that each equal the verifier's argmax
+        at their parent; the first longest wins a tie."""
         target = logits.argmax(-1).tolist()                                # [s]
-        best = [0]
-        for path in paths:
+        best, won = [0], -1
+        for i, path in enumerate(paths):
             a = 1
             while a < len(path) and ids[path[a]] == target[path[a - 1]]:
                 a += 1
             if a > len(best):
-                best = path[:a]
-        return best
+                best, won = path[:a], i
+        return best, won
 
     @staticmethod
     def _keep_cache(cache: DynamicCache, n: int, keep: list[int]) -> None:

@@ -70,7 +70,7 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     assert "[bench] serve peer generate:" in printed and "identical 2/2" in printed
     r = bench.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
                           spec=tiny_verifier, dynamic=True, peers=False, branches=(2,),
-                          lookup_depths=(4,))
+                          lookup_depths=(4,), lookup_branches=(3,))
     assert "peers" not in r and r["all_identical"]      # the dynamic, gated, tree and lookup arms
     for name in ("lookup4", "dynamic-lookup"):          # lookup arms past the deepest fixed one
         row = r["runs"][name]
@@ -81,9 +81,16 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     assert 0 < gated["chain_threshold"] < 1
     assert 0 <= gated["mean_depth"] <= 3 and "predicted_tokens_per_s" not in gated
     tree = r["runs"]["tree2x3"]                         # depth 3 only: 1 is no tree depth
-    assert set(k for k in r["runs"] if k.startswith("tree")) == {"tree2x3"}
+    assert set(k for k in r["runs"] if k.startswith("tree")) == {"tree2x3", "tree2x3+lookup"}
     assert tree["branches"] == 2 and tree["tree_depth"] == 3 and tree["mean_depth"] == 3
-    assert r["best_tree"] == "tree2x3" and "predicted_tokens_per_s" not in tree
+    assert "predicted_tokens_per_s" not in tree and "lookup_branch" not in tree
+    for name, k in (("branch-lookup3", 1), ("tree2x3+lookup", 2)):   # the lookup's match beside
+        row = r["runs"][name]
+        assert row["branches"] == k and row["tree_depth"] == 3 and row["lookup_branch"]
+        assert row["identical_to_depth0"] and 0 <= row["lookup_rounds"] <= row["rounds"]
+    dyn = r["runs"]["dynamic-branch-lookup"]
+    assert dyn["lookup_branch"] and dyn["identical_to_depth0"] and 0 <= dyn["mean_depth"] <= 3
+    assert r["best_tree"] in ("tree2x3", "tree2x3+lookup", "branch-lookup3", "dynamic-branch-lookup")
     assert os.path.getsize(os.path.join(out, "serve.png")) > 0
 
 
@@ -97,5 +104,7 @@ def test_bench_serve_flags():
     a = p.parse_args(["serve"])
     assert a.depths is None and not a.no_peers and a.prompt_lookup_tokens == [10, 3]
     assert a.branches == [] and p.parse_args(["serve", "--branches", "2", "3"]).branches == [2, 3]
+    assert a.lookup_branches == [] and p.parse_args(
+        ["serve", "--lookup-branches", "4"]).lookup_branches == [4]
     with pytest.raises(ValueError, match="need 0"):
         bench.bench_serve("unused", depths=(1, 2))

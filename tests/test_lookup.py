@@ -58,3 +58,30 @@ def test_lookup_fallback_keeps_greedy_output_and_takes_over_repeated_text():
     never, rounds = run(spec, prompt, sp, 4, lookup=LookupParams(below=0.0))
     assert never == base and not any(r.lookup for r in rounds)
     assert [r.tokens for r in rounds] == [r.tokens for r in run(spec, prompt, sp, 4)[1]]
+
+
+def test_lookup_branch_is_verified_beside_the_drafters_chains():
+    """LookupParams(branch=True), and any tree: the lookup's match is one more chain of the tree
+    verify, not a replacement. Greedy output stays plain decoding's; in the loop the lookup's
+    chain wins its rounds (Round.lookup) while the drafter still drafts every round; sampling
+    refuses a tree."""
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300)
+    spec = Speculator(model, drafter)
+    prompt = list(range(40, 52))
+    sp = SamplingParams(max_tokens=24)
+    base, _ = run(spec, prompt, sp, 0)
+    _, rounds_off = run(spec, prompt, sp, 4)
+    for branches in (1, 2):
+        out, rounds = run(spec, prompt, sp, 4, branches=branches,
+                          lookup=LookupParams(branch=True))
+        assert out == base, branches
+        won = [r for r in rounds if r.lookup]
+        assert len(won) >= 2 and all(r.branches == branches + 1 for r in won)
+        assert sum(r.accepted for r in won) >= 2 * len(won)   # copied spans, not single hits
+        assert len(rounds) < len(rounds_off)
+    # a tree with the plain fallback parameters takes the lookup as a branch too
+    out, rounds = run(spec, prompt, sp, 4, branches=2, lookup=LookupParams())
+    assert out == base and any(r.lookup and r.branches == 3 for r in rounds)
+    with pytest.raises(ValueError, match="greedy"):
+        run(spec, prompt, SamplingParams(max_tokens=4, temperature=0.7), 4,
+            lookup=LookupParams(branch=True))

@@ -357,8 +357,15 @@ def test_engine_lookup_fallback_on_by_default_and_off(tiny_verifier, tmp_path, o
     assert spec["lookup_rounds"] == sum(r.lookup for r in rounds) > 0   # a looping tiny model
     off = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, lookup=False,
                                    torch_threads=1))
-    assert off.lookup is None
+    assert off.lookup is None and off.lookup_greedy is None
+    branch = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
+                                      lookup_branch=True, torch_threads=1))
+    assert branch.lookup_greedy == speculate.LookupParams(branch=True)    # greedy: a tree
+    assert branch.lookup == speculate.LookupParams()                     # sampled: the fallback
+    rounds = list(branch.spec.generate(prompt, sp, depth, lookup=branch.lookup_greedy))
+    assert [t for r in rounds for t in r.tokens] == plain and any(r.lookup for r in rounds)
     p = argparse.ArgumentParser()
     cli.add_serve_args(p)
     assert cli.serve_config(p.parse_args(["--drafter", drafter, "--no-lookup"])).lookup is False
     assert cli.serve_config(p.parse_args(["--drafter", drafter])).lookup is True
+    assert cli.serve_config(p.parse_args(["--drafter", drafter, "--lookup-branch"])).lookup_branch

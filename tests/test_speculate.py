@@ -29,9 +29,10 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
     return model, drafter
 
 
-def run(spec: Speculator, prompt, sp: SamplingParams, depth, min_chain_prob=0.0, lookup=None):
+def run(spec: Speculator, prompt, sp: SamplingParams, depth, min_chain_prob=0.0, lookup=None,
+        branches=1):
     out, rounds = [], []
-    for r in spec.generate(prompt, sp, depth, min_chain_prob, lookup=lookup):
+    for r in spec.generate(prompt, sp, depth, min_chain_prob, branches, lookup=lookup):
         out += r.tokens
         rounds.append(r)
     return out, rounds
