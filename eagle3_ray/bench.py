@@ -500,7 +500,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
             t0, out, rounds = time.perf_counter(), [], []
             for r in dec.generate(prompt, sp, depth, gate if d == "gated" else 0.0,
                                   branches=trees[d][0] if d in trees else 1,
-                                  lookup=look if d in lookups else trees.get(d, (0, 0, None))[2]):
+                                  lookup=look if d in lookups else
+                                  trees[d][2] if d in trees else None):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0

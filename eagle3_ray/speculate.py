@@ -214,10 +214,8 @@ class Speculator:
         # 1-4 rows in fp32: the kernel this host runs fastest, timed on the verifier
         self.few_row_kernels = verifier_lib.tune_few_row_kernels(model)
         if self.drafter is not None:               # its steps need no invariance; its 1-row
-            verifier_lib.use_few_row_kernels(self.drafter)   # linears take the verifier's pick
-            for m in self.drafter.modules():
-                if isinstance(m, torch.nn.Linear):
-                    m.forward.few = dict(self.few_row_kernels)
+            verifier_lib.use_few_row_kernels(       # linears take the verifier's pick
+                self.drafter, kernels=self.few_row_kernels)
         n_layers = model.config.num_hidden_layers
         self.layer_ids = None                      # no drafter: nothing to capture
         if drafter is not None:

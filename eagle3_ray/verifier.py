@@ -482,13 +482,16 @@ def tune_few_row_kernels(model, context: int = 128, reps: int = 5) -> dict[int, 
     return chosen
 
 
-def use_few_row_kernels(model, batch_invariant: bool = False) -> None:
+def use_few_row_kernels(model, batch_invariant: bool = False,
+                        kernels: dict[int, str] | None = None) -> None:
     """Route every nn.Linear of `model` through FewRowLinear (for inference: a decoder's decode
-    steps and speculative verifies, a drafter's steps). The packed copies of the weights cost
-    their memory once more."""
+    steps and speculative verifies, a drafter's steps). kernels: {rows: kernel} for fp32 few-row
+    calls (tune_few_row_kernels of another model; default: MKL for 1-2 rows, oneDNN above).
+    The packed copies of the weights cost their memory once more."""
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
             m.forward = FewRowLinear(m, batch_invariant)
+            m.forward.few = dict(kernels or {})
 
 
 TREE_ATTENTION = "eagle3_tree"
