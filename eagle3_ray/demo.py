@@ -137,9 +137,9 @@ def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
 def replica_kernels(metrics: dict[str, float]) -> dict[str, str]:
     """A replica's parsed /metrics -> the fp32 kernel it timed fastest per row count
     ({"1": "linear", ...}; empty in bf16, where one batch-invariant kernel runs every count)."""
-    found = (re.fullmatch(r'eagle3_ray_fp32_kernel_info\{rows="(\d+)",kernel="(\w+)"\}', k)
+    found = (re.fullmatch(r'eagle3_ray_fp32_kernel_info\{rows="(\d+)",kernel="([^"]+)"\}', k)
              for k in metrics)
-    return dict(sorted(g.groups() for g in found if g))
+    return dict(sorted((g.groups() for g in found if g), key=lambda rk: int(rk[0])))
 
 
 def print_report(r: dict, run_dir: str) -> None:

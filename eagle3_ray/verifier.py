@@ -358,6 +358,11 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
 # - fp32 with 1-2 rows: MKL's W @ x^T streams the weight x1.5 (1 row) / x2.2 (2 rows) faster
 #   than F.linear's x @ W^T (MKL's sgemv; its sgemm for 2-3 rows costs more than for 4). That
 #   is the default; the ranking is the host's, so a Speculator times them (tune_few_row_kernels).
+# - fp32, MKL's sgemm on a weight packed once for exactly that row count (mkl._mkl_reorder_
+#   linear_weight / mkl._mkl_linear, the path torch.compile's freezing takes; a pack serves one
+#   row count, so fewer rows are padded up to the tuned count that has one). On a Xeon capped at
+#   AVX2, SmolLM2's linears: 2 / 4 / 8 rows 20 / 23 / 27 ms against 28 / 33 / 39 for the best
+#   other kernel (1 row: 20 against F.linear's 18). Each pack costs the weight's memory again.
 # - Below ~64K weight elements the fixed cost per call decides: F.linear ~3 us, oneDNN ~15 us.
 # - With AMX (a Xeon with amx_bf16), oneDNN's bf16 rows agree for 1-32 rows, not from 33 on
 #   (its tiles hold 16 rows; past two of them the blocking changes): batch invariant, more
@@ -387,6 +392,18 @@ def _packable_dtypes() -> tuple:
     return tuple(ok)
 
 
+@functools.lru_cache(maxsize=None)
+def _mkl_packable() -> bool:
+    """Whether this torch has MKL's packed fp32 GEMM (x86 builds with MKL; probed once)."""
+    try:
+        w = torch.ones(2, 2)
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, 1)
+        torch.ops.mkl._mkl_linear(torch.ones(1, 2), packed, w, None, 1)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """x [.., s, K] with zero rows appended up to n: [.., max(s, n), K]."""
     return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if x.shape[-2] < n else x
@@ -399,16 +416,38 @@ class FewRowLinear:
     than 32 run 32 at a time).
     With gradients, on GPUs, for other dtypes and (not batch invariant) small weights: plain
     F.linear (batch invariant: one row padded to two, a one-row GEMV rounds differently from a
-    GEMM). The packed copy of the
-    weight is made on first use and again whenever the weight changes (its pointer or version)."""
+    GEMM). A packed copy of the weight (oneDNN's; MKL's, one per row count it runs) is made on
+    first use and again whenever the weight changes (its pointer or version)."""
 
     def __init__(self, layer: torch.nn.Linear, batch_invariant: bool = False):
         self.layer, self.batch_invariant = layer, batch_invariant
         self.packed, self.packed_key = None, None
+        self.mkl_packed = {}             # rows -> MKL's packed copy for that row count
         self.few = {}                    # fp32, few rows: rows -> kernel (tune_few_row_kernels)
 
-    def __getstate__(self) -> dict:      # copies and pickles leave the (opaque) packed copy out
-        return {**self.__dict__, "packed": None, "packed_key": None}
+    def __getstate__(self) -> dict:      # copies and pickles leave the (opaque) packed copies out
+        return {**self.__dict__, "packed": None, "packed_key": None, "mkl_packed": {}}
+
+    def _kernel(self, rows: int) -> tuple[str, int]:
+        """(kernel, rows it runs): the choice for this row count, else that of the next tuned
+        count (padded up to it), else MKL's W @ x^T for 1-2 rows and oneDNN above."""
+        if rows in self.few:
+            return self.few[rows], rows
+        up = min((r for r in self.few if r > rows), default=None)
+        if up is not None:
+            return self.few[up], up
+        return ("mkl" if rows <= _MKL_FEW_ROWS else "onednn"), rows
+
+    def _mkl_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """MKL's sgemm with the weight packed for `rows` rows (x padded up to them)."""
+        w, bias = self.layer.weight, self.layer.bias
+        key = (w.data_ptr(), w._version, w.dtype)
+        if rows not in self.mkl_packed or self.mkl_packed[rows][0] != key:
+            self.mkl_packed[rows] = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
+        n = x.numel() // x.shape[-1]
+        xs = _pad_rows(x.reshape(-1, w.shape[1]), rows)                       # [rows, K]
+        y = torch.ops.mkl._mkl_linear(xs, self.mkl_packed[rows][1], w, bias, rows)[:n]
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, bias = self.layer.weight, self.layer.bias
@@ -418,10 +457,12 @@ class FewRowLinear:
             if rows != 1 or not self.batch_invariant:
                 return torch.nn.functional.linear(x, w, bias)
             return torch.nn.functional.linear(_pad_rows(x, 2), w, bias)[..., :1, :]
-        kernel = self.few.get(rows) or ("mkl" if rows <= _MKL_FEW_ROWS else "onednn")
+        kernel, tuned = self._kernel(rows)
         if w.dtype == torch.float32 and not self.batch_invariant and kernel != "onednn":
-            if kernel == "linear":
+            if kernel == "linear" or (kernel == "mkl_packed" and not _mkl_packable()):
                 return torch.nn.functional.linear(x, w, bias)
+            if kernel == "mkl_packed":
+                return self._mkl_linear(x, tuned)
             if kernel == "rows" and rows == s:                 # one GEMV per row
                 return torch.cat([torch.nn.functional.linear(x[..., i:i + 1, :], w, bias)
                                   for i in range(s)], -2)
@@ -441,19 +482,22 @@ class FewRowLinear:
             ..., :s, :]
 
 
-FEW_ROW_KERNELS = ("mkl", "onednn", "linear", "rows")
-TUNED_ROWS = 4                   # row counts tune_few_row_kernels times (a depth 0-3 verify)
+FEW_ROW_KERNELS = ("mkl", "onednn", "linear", "rows", "mkl_packed")
+TUNED_ROWS = (1, 2, 3, 4, 8, 16)  # row counts tune_few_row_kernels times (verifies of depth 0-15;
+                                  # the counts between take the next one's kernel)
 
 
 @torch.inference_mode()
 def tune_few_row_kernels(model, context: int = 128, reps: int = 5) -> dict[int, str]:
-    """Which kernel runs the 1..TUNED_ROWS-row fp32 linears of `model` (FewRowLinear, not
-    batch invariant): MKL's W @ x^T, oneDNN with the packed weight, F.linear, or one F.linear
-    GEMV per row, each timed on whole forwards of that many tokens after a `context`-token
-    cache (interleaved, median of `reps`), the fastest kept per row count. It depends on the
-    host: MKL's was fastest for 1-2 rows on the AMD EPYC the defaults were measured on, and on
-    a Xeon capped at AVX2 it made a 1-token forward x2.1 slower than F.linear (75 against
-    36 ms). -> {rows: kernel}; {} when nothing to tune (bf16, GPU, batch invariant)."""
+    """Which kernel runs the fp32 linears of `model` (FewRowLinear, not batch invariant) for
+    each row count of TUNED_ROWS: MKL's W @ x^T, oneDNN with the packed weight, F.linear, one
+    F.linear GEMV per row, or MKL's sgemm with a weight packed for that row count, each timed
+    on whole forwards of that many tokens after a `context`-token cache (interleaved, median of
+    `reps`), the fastest kept per row count (the MKL packs of the others are dropped). It
+    depends on the host: MKL's W @ x^T was fastest for 1-2 rows on the AMD EPYC the defaults
+    were measured on, and on a Xeon capped at AVX2 it made a 1-token forward x2.1 slower than
+    F.linear (75 against 36 ms). -> {rows: kernel}; {} when nothing to tune (bf16, GPU, batch
+    invariant)."""
     from transformers import DynamicCache
     few = [m.forward for m in model.modules() if isinstance(m, torch.nn.Linear)
            and isinstance(m.forward, FewRowLinear) and not m.forward.batch_invariant]
@@ -464,9 +508,11 @@ def tune_few_row_kernels(model, context: int = 128, reps: int = 5) -> dict[int, 
     model(input_ids=torch.arange(context)[None] % model.config.vocab_size, cache=cache,
           use_cache=True)
     chosen = {}
-    for rows in range(1, TUNED_ROWS + 1):
+    for rows in TUNED_ROWS:
         x = torch.full((1, rows), 7)
-        kernels = [k for k in FEW_ROW_KERNELS if rows > 1 or k != "rows"]
+        few_only = {"rows"} if rows == 1 else {"rows", "mkl"} if rows > 4 else set()
+        kernels = [k for k in FEW_ROW_KERNELS if k not in few_only      # GEMVs / W @ x^T: 1-4 rows
+                   and (k != "mkl_packed" or _mkl_packable())]
         times = {k: [] for k in kernels}
         for _ in range(reps + 1):                                   # the first: warm-up
             for kernel in kernels:
@@ -479,6 +525,8 @@ def tune_few_row_kernels(model, context: int = 128, reps: int = 5) -> dict[int, 
         chosen[rows] = min(kernels, key=lambda k: sorted(times[k][1:])[reps // 2])
         for f in few:
             f.few[rows] = chosen[rows]
+            if chosen[rows] != "mkl_packed":
+                f.mkl_packed.pop(rows, None)                        # its memory back
     return chosen
 
 
@@ -499,13 +547,24 @@ TREE_ATTENTION = "eagle3_tree"
 
 def tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                    tree=None, **kwargs):
-    """transformers' SDPA attention, and for a tree verify (tree_layout) each path as a chain
-    (_tree_attention): what a verifier without batch invariance runs."""
-    if tree is None:
+    """SDPA, and for a tree verify (tree_layout) each path as a chain (_tree_attention): what a
+    verifier without batch invariance runs. On CPU the grouped KV heads are read in place
+    (enable_gqa): transformers' SDPA copies them out per query head whenever it is given a mask,
+    i.e. in every verify of 2+ tokens (an emulated-AVX2 Xeon: a 2 / 8-token fp32 verify of
+    SmolLM2 46.5 / 57 ms with the copies, 42.7 / 52 without)."""
+    if tree is not None:
+        return _tree_attention(module, query, key, value, scaling, tree)
+    if not query.is_cpu or dropout:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    return _tree_attention(module, query, key, value, scaling, tree)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, :key.shape[-2]]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True,
+        is_causal=attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal",
+                                                                           True))
+    return out.transpose(1, 2).contiguous(), None
 
 
 def allow_trees(model) -> None:

@@ -52,7 +52,7 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     r = bench.bench_serve(drafter_dir, depths=(0, 2), prompts=2, max_tokens=8, out_dir=out,
                           spec=tiny_verifier, dynamic=False, prompt_lookup=(4,))
     assert r["dtype"] == "float32" and r["all_identical"]
-    assert set(r["few_row_kernels"]) == {"1", "2", "3", "4"}      # what depth 0 ran on
+    assert set(r["few_row_kernels"]) == {str(n) for n in verifier.TUNED_ROWS}      # what depth 0 ran on
     peers = r["peers"]
     assert set(peers) == {"generate", "prompt_lookup_4"}
     for p in peers.values():

@@ -183,18 +183,41 @@ def test_fp32_speculator_times_its_few_row_kernels():
     from eagle3_ray import verifier
     model, drafter = tiny_pair(vocab=500)
     spec = Speculator(model, drafter)
-    assert set(spec.few_row_kernels) == set(range(1, verifier.TUNED_ROWS + 1))
+    assert set(spec.few_row_kernels) == set(verifier.TUNED_ROWS)
     assert set(spec.few_row_kernels.values()) <= set(verifier.FEW_ROW_KERNELS)
+    packed = {r for r, k in spec.few_row_kernels.items() if k == "mkl_packed"}
     for m in list(model.modules()) + list(drafter.modules()):
         if isinstance(m, torch.nn.Linear):
             assert m.forward.few == spec.few_row_kernels
+            assert set(m.forward.mkl_packed) <= packed         # the others' packs were dropped
     prompt, sp = list(range(10, 30)), SamplingParams(max_tokens=20)
     base, _ = run(spec, prompt, sp, 0)
-    for kernels in ({1: "mkl", 2: "mkl", 3: "rows"}, {1: "onednn", 2: "linear", 3: "mkl"}):
+    for kernels in ({1: "mkl", 2: "mkl", 3: "rows"}, {1: "onednn", 2: "linear", 3: "mkl"},
+                    {1: "mkl_packed", 2: "mkl_packed", 4: "mkl_packed"}):
         for m in model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.forward.few = kernels
         assert run(spec, prompt, sp, 0)[0] == base and run(spec, prompt, sp, 3)[0] == base
+
+
+def test_fp32_verifier_attention_matches_transformers_sdpa():
+    """verifier.tree_attention (an fp32 verifier's attention: SDPA reading the grouped KV heads
+    in place) gives transformers' SDPA logits, for a prefill, a decode step and a chain verify."""
+    from transformers import DynamicCache
+    from eagle3_ray import verifier
+    model, _ = tiny_pair(vocab=300)                                   # 4 query heads, 2 KV heads
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for impl in ("sdpa", "ours"):
+        if impl == "ours":
+            verifier.allow_trees(model)
+        cache, logits = DynamicCache(), []
+        with torch.inference_mode():
+            for a, b in ((0, 30), (30, 31), (31, 36), (36, 40)):       # prefill, 1, 5, 4 tokens
+                logits.append(model(input_ids=ids[:, a:b], past_key_values=cache,
+                                    use_cache=True).logits)
+        out[impl] = torch.cat(logits, 1)
+    torch.testing.assert_close(out["ours"], out["sdpa"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,15 +243,18 @@ def test_few_row_linear_kernels(dtype):
         big = verifier.FewRowLinear(torch.nn.Linear(576, 576, bias=False).to(dtype), True)
         x40 = torch.randn(1, 40, 576, dtype=dtype)
         assert torch.equal(big(x40), torch.cat([big(x40[:, i:i + 1]) for i in range(40)], 1))
-        if dtype == torch.float32:                  # each 1-2 row kernel tune_few_row_kernels picks
+        if dtype == torch.float32:                  # each kernel tune_few_row_kernels picks from
             for kernel in verifier.FEW_ROW_KERNELS:
-                fast.few = {1: kernel, 2: kernel, 3: kernel}
-                for rows in (1, 2, 3):
+                fast.few = {1: kernel, 2: kernel, 3: kernel, 8: kernel}   # 4-8 rows: 8's kernel
+                for rows in (1, 2, 3, 5, 8, 17):
                     torch.testing.assert_close(fast(x[:, :rows]).float(), ref[:, :rows], **tol)
-            fast.few = {}
+            if verifier._mkl_packable():            # MKL packed for 1, 2, 3 and 8 rows (5: padded)
+                assert set(fast.mkl_packed) == {1, 2, 3, 8}
+            fast.few = {2: "mkl_packed"}
         layer.weight.mul_(2.0)                                          # weights change
         ref2 = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
         torch.testing.assert_close(fast(x[:, :5]).float(), ref2[:, :5], **tol)
+        torch.testing.assert_close(fast(x[:, :2]).float(), ref2[:, :2], **tol)   # a fresh pack
     y = inv(x[:, :3].clone().requires_grad_())                          # gradients on
     y.sum().backward()
     assert layer.weight.grad is not None
