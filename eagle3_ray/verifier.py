@@ -314,11 +314,28 @@ def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     return {"index": index, "keys": keys, "first": first, "offsets": first % width}
 
 
+def _tree_gather(tree: dict, kv: int, q: int, g: int, device) -> tuple:
+    """Per forward, made in its first layer and kept in `tree`: the key index each path gathers,
+    padded to a multiple of _KEY_BLOCK with key 0 ([P, K']), and which of them each of a path's
+    g·L query rows may not see ([g·L, K']: later path tokens and the padding)."""
+    if tree.get("gather", (None,))[0] != (kv, q, g):
+        keys, width = tree["keys"], tree["index"].shape[1]
+        n = keys.shape[1]
+        pad = -n % _KEY_BLOCK
+        gather = torch.nn.functional.pad(keys, (0, pad))                     # [P, K']
+        pos = torch.arange(kv - q, kv - q + width, device=device).repeat(g)  # [g·L]
+        cols = torch.arange(n + pad, device=device)
+        tree["gather"] = (kv, q, g), gather, cols > pos[:, None]   # the padding: > any pos
+    return tree["gather"][1:]
+
+
 def _tree_attention(module, query, key, value, scaling, tree: dict):
     """batch_invariant_attention of a tree verify: every path as a chain, all paths in one
     batched matmul over their own keys (the cached ones, then the path's in order, so each
     row's sums see the keys of decoding that path token by token; a padded path's extra keys
-    come after every real row's last key, masked like a chain verify's later tokens).
+    come after every real row's last key, masked like a chain verify's later tokens). The
+    gathered keys are padded to a multiple of _KEY_BLOCK with copies of key 0 at probability
+    exactly 0, which adds to each sum what _pad_keys's zero values do.
     query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D]."""
     _, nh, q, d = query.shape
     nkv, kv = key.shape[1], key.shape[2]
@@ -333,17 +350,14 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
                 scale)[0]
         return out, None
     g = nh // nkv
+    gather, hidden = _tree_gather(tree, kv, q, g, query.device)            # [P, K'], [g·L, K']
     qp = query[0][:, index].reshape(nkv, g, n_paths, width, d)            # [nkv, g, P, L, D]
-    rows = qp.permute(2, 0, 1, 3, 4).reshape(n_paths, nkv, g * width, d)  # row j·L + i
-    k = key[0][:, keys].transpose(0, 1)                                    # [P, nkv, K, D]
-    v = value[0][:, keys].transpose(0, 1)                                  # [P, nkv, K, D]
-    s = (rows @ k.transpose(-1, -2)).float() * scale                       # [P, nkv, g·L, K]
-    pos = torch.arange(kv - q, kv - q + width, device=query.device).repeat(g)      # [g·L]
-    s = s.masked_fill(torch.arange(keys.shape[1], device=query.device) > pos[:, None],
-                      float("-inf"))                       # path token i sees keys 0 .. cached+i
-    s, v = _pad_keys(s, v)                                                 # K -> K'
-    out = s.softmax(-1).to(v.dtype) @ v                                    # [P, nkv, g·L, D]
-    out = out.reshape(n_paths, nkv, g, width, d).permute(0, 3, 1, 2, 4)   # [P, L, nkv, g, D]
+    rows = qp.transpose(1, 2).reshape(nkv, n_paths, g * width, d)         # row j·L + i
+    k, v = key[0][:, gather], value[0][:, gather]                          # [nkv, P, K', D]
+    s = (rows @ k.transpose(-1, -2)).float() * scale                       # [nkv, P, g·L, K']
+    s = s.masked_fill(hidden, float("-inf"))              # path token i sees keys 0 .. cached+i
+    out = s.softmax(-1).to(v.dtype) @ v                                    # [nkv, P, g·L, D]
+    out = out.reshape(nkv, n_paths, g, width, d).permute(1, 3, 0, 2, 4)   # [P, L, nkv, g, D]
     return out.reshape(n_paths * width, nh, d)[tree["first"]][None], None  # [1, q, nh, D]
 
 

@@ -177,6 +177,29 @@ def test_bf16_attention_rows_do_not_depend_on_the_keys_or_tokens_carried():
     assert not bad, bad[:10]
 
 
+def test_bf16_tree_paths_attend_as_their_chains():
+    """verifier._tree_attention in bf16 with SmolLM2's heads: every path of a tree verify
+    computes bit for bit what batch_invariant_attention does for that path verified as a chain,
+    for every cache length 2..140. On an AMX CPU the gathered keys must be padded to 32-key
+    blocks for that (without: 11 of 220 SmolLM2 tree paths differed from their chains)."""
+    from eagle3_ray import verifier
+    torch.manual_seed(0)
+    paths, bad = [[0, 1, 2, 3], [0, 4, 5], [0, 6]], []
+    with torch.no_grad():
+        for cached in range(2, 141):
+            query = torch.randn(1, 9, 7, 64).bfloat16()
+            key, value = torch.randn(2, 1, 3, cached + 7, 64).bfloat16()
+            tree = verifier.tree_layout(paths, cached)
+            out = verifier._tree_attention(None, query, key, value, None, tree)[0]  # [1, 7, 9, 64]
+            for p in paths:
+                seen = list(range(cached)) + [cached + i for i in p]
+                chain = verifier.batch_invariant_attention(
+                    None, query[:, :, p], key[:, :, seen], value[:, :, seen], None)[0]
+                if not torch.equal(out[0, p], chain[0]):
+                    bad.append((cached, p))
+    assert not bad, bad[:10]
+
+
 def test_fp32_speculator_times_its_few_row_kernels():
     """An fp32 verifier's 1- and 2-row linears run on the kernel that timed fastest here
     (verifier.tune_few_row_kernels), the drafter's take the same; greedy output unchanged."""
@@ -447,6 +470,17 @@ def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype):
                 assert torch.equal(tree[path], chain) and torch.equal(tree_aux[:, path], chain_aux)
             else:
                 torch.testing.assert_close(tree[path], chain, rtol=1e-4, atol=1e-4)
+        if dtype == torch.bfloat16:         # other cache lengths (AMX: keys in 32-key blocks)
+            for n in (7, 33, 61):
+                longer = list(range(40, 40 + n))
+                cache = DynamicCache()
+                spec._verify(longer, cache)
+                tree = spec._verify(ids, cache, tree_paths=paths)[0]
+                for path in paths:
+                    cache.crop(n - cache.get_seq_length())
+                    assert torch.equal(tree[path], spec._verify([ids[i] for i in path], cache)[0])
+            cache = DynamicCache()
+            spec._verify(context, cache)
         # the cache keeps x and the winning path's accepted drafts, in order
         cache.crop(len(context) - cache.get_seq_length())
         spec._verify(ids, cache, tree_paths=paths)
