@@ -211,7 +211,7 @@ class Speculator:
         else:                                      # fp32: the fastest kernel for each row count
             verifier_lib.use_few_row_kernels(model)
             verifier_lib.allow_trees(model)        # SDPA, and trees for branches > 1
-        # 1-4 rows in fp32: the kernel this host runs fastest, timed on the verifier
+        # fp32: the kernel this host runs fastest per row count, timed on the verifier
         self.few_row_kernels = verifier_lib.tune_few_row_kernels(model)
         if self.drafter is not None:               # its steps need no invariance; its 1-row
             verifier_lib.use_few_row_kernels(       # linears take the verifier's pick

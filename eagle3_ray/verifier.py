@@ -302,7 +302,9 @@ def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     [P, cached + L]: the key positions each path attends over, the cached ones then its own in
     path order (the keys of decoding that path token by token); first [q]: where each token
     first occurs in index.flatten(); offsets [q]: each token's index in its path (its position
-    after the cached ones)."""
+    after the cached ones). gather [P, K']: keys padded to a multiple of _KEY_BLOCK with key 0;
+    hidden [L, K']: the gathered keys path token i may not see (its path's later tokens, and
+    the padding, which lies past every token's last key)."""
     width = max(map(len, paths))
     index = torch.tensor([p + p[-1:] * (width - len(p)) for p in paths], device=device)
     keys = torch.cat([torch.arange(cached, device=device).expand(len(paths), cached),
@@ -311,22 +313,11 @@ def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     for i, t in enumerate(index.flatten().tolist()):
         first.setdefault(t, i)
     first = torch.tensor([first[t] for t in range(len(first))], device=device)   # [q]
-    return {"index": index, "keys": keys, "first": first, "offsets": first % width}
-
-
-def _tree_gather(tree: dict, kv: int, q: int, g: int, device) -> tuple:
-    """Per forward, made in its first layer and kept in `tree`: the key index each path gathers,
-    padded to a multiple of _KEY_BLOCK with key 0 ([P, K']), and which of them each of a path's
-    g·L query rows may not see ([g·L, K']: later path tokens and the padding)."""
-    if tree.get("gather", (None,))[0] != (kv, q, g):
-        keys, width = tree["keys"], tree["index"].shape[1]
-        n = keys.shape[1]
-        pad = -n % _KEY_BLOCK
-        gather = torch.nn.functional.pad(keys, (0, pad))                     # [P, K']
-        pos = torch.arange(kv - q, kv - q + width, device=device).repeat(g)  # [g·L]
-        cols = torch.arange(n + pad, device=device)
-        tree["gather"] = (kv, q, g), gather, cols > pos[:, None]   # the padding: > any pos
-    return tree["gather"][1:]
+    gather = torch.nn.functional.pad(keys, (0, -keys.shape[1] % _KEY_BLOCK))      # [P, K']
+    hidden = (torch.arange(gather.shape[1], device=device)
+              > cached + torch.arange(width, device=device)[:, None])              # [L, K']
+    return {"index": index, "keys": keys, "first": first, "offsets": first % width,
+            "gather": gather, "hidden": hidden}
 
 
 def _tree_attention(module, query, key, value, scaling, tree: dict):
@@ -350,12 +341,12 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
                 scale)[0]
         return out, None
     g = nh // nkv
-    gather, hidden = _tree_gather(tree, kv, q, g, query.device)            # [P, K'], [g·L, K']
     qp = query[0][:, index].reshape(nkv, g, n_paths, width, d)            # [nkv, g, P, L, D]
     rows = qp.transpose(1, 2).reshape(nkv, n_paths, g * width, d)         # row j·L + i
-    k, v = key[0][:, gather], value[0][:, gather]                          # [nkv, P, K', D]
+    k, v = key[0][:, tree["gather"]], value[0][:, tree["gather"]]          # [nkv, P, K', D]
     s = (rows @ k.transpose(-1, -2)).float() * scale                       # [nkv, P, g·L, K']
-    s = s.masked_fill(hidden, float("-inf"))              # path token i sees keys 0 .. cached+i
+    s = s.view(nkv, n_paths, g, width, -1).masked_fill(tree["hidden"], float("-inf"))
+    s = s.view(nkv, n_paths, g * width, -1)               # path token i sees keys 0 .. cached+i
     out = s.softmax(-1).to(v.dtype) @ v                                    # [nkv, P, g·L, D]
     out = out.reshape(nkv, n_paths, g, width, d).permute(1, 3, 0, 2, 4)   # [P, L, nkv, g, D]
     return out.reshape(n_paths * width, nh, d)[tree["first"]][None], None  # [1, q, nh, D]
@@ -442,6 +433,11 @@ class FewRowLinear:
     def __getstate__(self) -> dict:      # copies and pickles leave the (opaque) packed copies out
         return {**self.__dict__, "packed": None, "packed_key": None, "mkl_packed": {}}
 
+    def _weight_key(self) -> tuple:
+        """What a packed copy was made from: the weight's pointer, version and dtype."""
+        w = self.layer.weight
+        return w.data_ptr(), w._version, w.dtype
+
     def _kernel(self, rows: int) -> tuple[str, int]:
         """(kernel, rows it runs): the choice for this row count, else that of the next tuned
         count (padded up to it), else MKL's W @ x^T for 1-2 rows and oneDNN above."""
@@ -455,7 +451,7 @@ class FewRowLinear:
     def _mkl_linear(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """MKL's sgemm with the weight packed for `rows` rows (x padded up to them)."""
         w, bias = self.layer.weight, self.layer.bias
-        key = (w.data_ptr(), w._version, w.dtype)
+        key = self._weight_key()
         if rows not in self.mkl_packed or self.mkl_packed[rows][0] != key:
             self.mkl_packed[rows] = key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows)
         n = x.numel() // x.shape[-1]
@@ -484,7 +480,7 @@ class FewRowLinear:
             y = (w @ two.t()).t()[:rows].contiguous()                          # [rows, N]
             y = y if bias is None else y + bias
             return y.reshape(*x.shape[:-1], w.shape[0])
-        key = (w.data_ptr(), w._version, w.dtype)
+        key = self._weight_key()
         if key != self.packed_key:
             self.packed, self.packed_key = torch.ops.mkldnn._reorder_linear_weight(w.detach()), key
         if rows > _ONEDNN_MAX_ROWS and self.batch_invariant and rows == s:   # 32 at a time
