@@ -43,6 +43,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                         "ids >= 1, sorted ascending")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--limit", type=int, help="first N usable conversations")
+    p.add_argument("--skip", type=int, default=0,
+                   help="start after the first N usable conversations (with --limit: a slice)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=int, default=0)
     p.add_argument("--cpus-per-replica", type=float, default=1.0,
@@ -73,7 +75,8 @@ def extract_config(a: argparse.Namespace):
     return ExtractConfig(
         inputs=a.inputs, output="" if online else a.output,
         verifier=a.verifier, layer_ids=a.layer_ids,
-        max_length=a.max_length, sample_limit=a.limit, replicas=a.replicas,
+        max_length=a.max_length, sample_limit=a.limit, sample_offset=a.skip,
+        replicas=a.replicas,
         gpus_per_replica=a.gpus_per_replica, max_gpu_memory=a.max_gpu_memory,
         cpus_per_replica=a.cpus_per_replica,
         node_resource=a.replica_node_resource if online else a.node_resource,

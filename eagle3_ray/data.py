@@ -217,15 +217,24 @@ def sample_id(path: str, index: int, messages: list[dict]) -> str:
 
 
 def iter_samples(inputs: list[str], limit: int | None = None,
-                 stats: ReadStats | None = None) -> Iterator[tuple[str, list[dict]]]:
-    """(sample_id, messages) for the usable records of all inputs; counts the rest in stats."""
+                 stats: ReadStats | None = None, offset: int = 0
+                 ) -> Iterator[tuple[str, list[dict]]]:
+    """(sample_id, messages) for the usable records of all inputs past the first `offset`
+    usable ones, at most `limit`; counts the rest in stats (the offset ones as "offset")."""
     stats = stats if stats is not None else ReadStats()
+    if offset < 0:
+        raise ValueError(f"sample offset must be >= 0, got {offset}")
+    seen = 0
     for path in expand_inputs(inputs):
         for index, record in iter_records(path, stats):
             try:
                 messages = normalize(record)
             except SkipRecord as e:
                 stats.skipped[e.args[0]] += 1
+                continue
+            seen += 1
+            if seen <= offset:
+                stats.skipped["offset"] += 1
                 continue
             stats.kept += 1
             yield sample_id(path, index, messages), messages
@@ -252,10 +261,16 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def heldout_prompts(tokenizer, n: int, skip: int = 5000, max_prompt: int = 256) -> list[list[int]]:
+HELDOUT_FIRST, HELDOUT_END = 5000, 5500   # usable embedded ShareGPT conversations [first, end)
+                                          # that no bench trains on: their prompts are decoded
+
+
+def heldout_prompts(tokenizer, n: int, skip: int = HELDOUT_FIRST,
+                    max_prompt: int = 256) -> list[list[int]]:
     """First user turns of embedded ShareGPT conversations past the first `skip` usable ones
-    (bench quality trains on the first ~1,200), rendered with the chat template: 8 to
-    `max_prompt` tokens each, at most n: the prompts every bench decodes."""
+    (benches train on the first 5,000 and, for more data, on those from HELDOUT_END on),
+    rendered with the chat template: 8 to `max_prompt` tokens each, at most n (80 prompts
+    end at conversation ~5,100): the prompts every bench decodes."""
     out = []
     for i, (_, messages) in enumerate(iter_samples([EMBEDDED_SHAREGPT])):
         if i < skip:

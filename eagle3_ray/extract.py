@@ -51,6 +51,7 @@ class ExtractConfig:
                                          # ascending; None = (2, L//2, L-3)
     max_length: int = 2048               # tokens per sample after the chat template (truncate)
     sample_limit: int | None = None      # first N usable conversations (defines the dataset)
+    sample_offset: int = 0               # ... after skipping this many usable ones
     replicas: int = 1                    # verifier replicas = extractor actors
     gpus_per_replica: int = 0            # 0 = CPU; >1 shards one replica over that many GPUs
     max_gpu_memory: str | None = None    # per-GPU cap for the device map, e.g. "70GiB"
@@ -502,7 +503,8 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
     done = existing_parts(fs, root, facts)
 
     read_stats, todo = data.ReadStats(), []
-    for sid, messages in data.iter_samples(cfg.inputs, cfg.sample_limit, read_stats):
+    for sid, messages in data.iter_samples(cfg.inputs, cfg.sample_limit, read_stats,
+                                            cfg.sample_offset):
         if sid not in done:
             todo.append((sid, json.dumps(messages)))
     print(f"[extract] {read_stats.kept} usable conversations ({len(done)} already written, "

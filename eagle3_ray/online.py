@@ -45,11 +45,12 @@ READ_CPUS = 0.25                        # Ray CPUs of a read task (JSON parsing 
 
 def read_conversations(batch: pa.Table, limit: int | None, batch_rows: int,
                        eval_fraction: float, want_eval: bool | None, skip_file: str | None,
-                       max_samples: int | None, stats_actor: str | None) -> Iterator[dict]:
+                       max_samples: int | None, stats_actor: str | None,
+                       offset: int = 0) -> Iterator[dict]:
     """Ray Data generator UDF over rows of input-file groups -> blocks of `batch_rows`
     (sample_id, messages_json) rows: one split (want_eval; None = both), minus the ids listed in
     `skip_file`, at most `max_samples`. Files are read in order, so `limit` (first N usable
-    conversations) and `max_samples` pick the same samples on every run."""
+    conversations after `offset`) and `max_samples` pick the same samples on every run."""
     skip = set()
     if skip_file:
         fs, path = schema.resolve_fs(skip_file)
@@ -58,7 +59,7 @@ def read_conversations(batch: pa.Table, limit: int | None, batch_rows: int,
                 skip = set(json.loads(f.read())["skip"])
     for files in batch.column("files").to_pylist():
         stats, ids, msgs, n = data.ReadStats(), [], [], 0
-        for sid, messages in data.iter_samples(list(files), limit, stats):
+        for sid, messages in data.iter_samples(list(files), limit, stats, offset):
             if want_eval is not None and train.is_eval(sid, eval_fraction) != want_eval:
                 continue
             n += 1
@@ -82,14 +83,16 @@ def source(ecfg: extract.ExtractConfig, eval_fraction: float, want_eval: bool | 
     (or a cap) one task reads the files in order, so the first N are well defined."""
     import ray
     files = data.expand_inputs(ecfg.inputs)
-    one = ecfg.sample_limit is not None or max_samples is not None or len(files) == 1
+    one = (ecfg.sample_limit is not None or ecfg.sample_offset or max_samples is not None
+           or len(files) == 1)
     groups = [files] if one else [[f] for f in files]
     ds = ray.data.from_items([{"files": g} for g in groups], override_num_blocks=len(groups))
     return ds.map_batches(
         read_conversations, batch_size=1, batch_format="pyarrow", num_cpus=READ_CPUS,
         fn_kwargs=dict(limit=ecfg.sample_limit, batch_rows=ecfg.batch_rows,
                        eval_fraction=eval_fraction, want_eval=want_eval, skip_file=skip_file,
-                       max_samples=max_samples, stats_actor=ecfg.stats_actor))
+                       max_samples=max_samples, stats_actor=ecfg.stats_actor,
+                       offset=ecfg.sample_offset))
 
 
 def count_loss_tokens(ecfg: extract.ExtractConfig, vocab_size: int, max_samples: int) -> np.ndarray:
@@ -186,13 +189,16 @@ def check_source(output: str, facts: dict, ecfg: extract.ExtractConfig) -> None:
         with fs.open_input_stream(path) as f:
             saved = json.loads(f.read())
         schema.check_compatible(saved, facts, where=path)
-        if saved.get("inputs") != ecfg.inputs or saved.get("limit") != ecfg.sample_limit:
+        if (saved.get("inputs") != ecfg.inputs or saved.get("limit") != ecfg.sample_limit
+                or saved.get("skip", 0) != ecfg.sample_offset):
             raise ValueError(f"{path}: run was started on --inputs {saved.get('inputs')} "
-                             f"--limit {saved.get('limit')}; use a new --output to change them")
+                             f"--limit {saved.get('limit')} --skip {saved.get('skip', 0)}; "
+                             f"use a new --output to change them")
         return
     fs.create_dir(f"{root}/online", recursive=True)
     schema.write_bytes_atomic(fs, path, json.dumps(
-        {"facts": facts, "inputs": ecfg.inputs, "limit": ecfg.sample_limit}, indent=2).encode())
+        {"facts": facts, "inputs": ecfg.inputs, "limit": ecfg.sample_limit,
+         "skip": ecfg.sample_offset}, indent=2).encode())
 
 
 def check_resources(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig) -> None:

@@ -70,6 +70,16 @@ def test_sample_ids_are_stable_and_limit_counts_usable(sharegpt_file):
     assert b == a[:2] and len(set(a)) == len(a)
 
 
+def test_offset_and_limit_select_a_slice_of_the_usable_conversations(sharegpt_file):
+    a = [s for s, _ in data.iter_samples([sharegpt_file])]
+    stats = data.ReadStats()
+    b = [s for s, _ in data.iter_samples([sharegpt_file], limit=1, stats=stats, offset=1)]
+    assert b == a[1:2] and stats.kept == 1 and stats.skipped["offset"] == 1
+    assert [s for s, _ in data.iter_samples([sharegpt_file], offset=len(a))] == []
+    with pytest.raises(ValueError, match="offset"):
+        list(data.iter_samples([sharegpt_file], offset=-1))
+
+
 def test_loss_mask_decodes_to_exactly_the_assistant_texts(sharegpt_file, tiny_tokenizer):
     for sid, messages in data.iter_samples([sharegpt_file]):
         ids, mask = data.tokenize_conversation(tiny_tokenizer, messages, max_length=4096)

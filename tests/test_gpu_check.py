@@ -42,6 +42,8 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     assert fn is cli.cmd_profile and a.drafter == str(tmp_path / "train-ddp" / "drafter")
     quick = {n: argv for n, argv, _ in gpu_check.commands(True, 4, str(tmp_path), quick=True)}
     assert cli.extract_config(parsed(quick["extract"], monkeypatch)[1]).sample_limit == 64
+    sliced = cli.extract_config(parsed(quick["extract"] + ["--skip", "5500"], monkeypatch)[1])
+    assert (sliced.sample_offset, sliced.sample_limit) == (5500, 64)
     assert cli.train_config(parsed(quick["train_ddp"], monkeypatch)[1]).max_steps == 10
     assert parsed(quick["bench_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
     assert parsed(quick["bench_serve"], monkeypatch)[1].lookup_depths == [4]

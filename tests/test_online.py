@@ -7,6 +7,7 @@ import glob
 import json
 import os
 
+import pyarrow as pa
 import pytest
 
 from conftest import make_conversations
@@ -120,6 +121,17 @@ def test_cache_survives_a_dead_worker_and_serves_later_epochs(ray_cluster, tiny_
                                                   recursive=True)} == {str(cache)}
 
 
+def test_the_read_stage_takes_a_slice_like_extract(conv_file):
+    """`--skip N --limit M`: the same usable conversations online as offline (data.iter_samples),
+    read by the online pipeline's read UDF directly (no Ray needed for one file group)."""
+    ids = [sid for sid, _ in data.iter_samples([conv_file])]
+    blocks = online.read_conversations(pa.table({"files": [[conv_file]]}), limit=5,
+                                       batch_rows=3, eval_fraction=EVAL_FRACTION,
+                                       want_eval=None, skip_file=None, max_samples=None,
+                                       stats_actor=None, offset=10)
+    assert [s for b in blocks for s in b["sample_id"]] == ids[10:15]
+
+
 def test_mismatches_are_refused_before_starting(ray_cluster, tiny_verifier, conv_file, tmp_path):
     e = ecfg(tiny_verifier, conv_file)
     facts = dataset_facts(e, verifier.load_config(tiny_verifier),
@@ -127,6 +139,8 @@ def test_mismatches_are_refused_before_starting(ray_cluster, tiny_verifier, conv
     out = tmp_path / "run"
     # a run dir remembers its hidden states: other layer ids are refused, naming the field
     online.check_source(str(out), facts, e)
+    with pytest.raises(ValueError, match=r"source.json.*--skip 0"):      # another slice
+        online.check_source(str(out), facts, ecfg(tiny_verifier, conv_file, sample_offset=3))
     with pytest.raises(schema.DatasetMismatch, match=r"source.json.*aux_layer_ids"):
         online.run_online(tcfg(tiny_verifier, out),
                           ecfg(tiny_verifier, conv_file, layer_ids=[1, 2, 3]))
