@@ -324,6 +324,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "measure its served acceptance (--served-prompts x --served-tokens)")
     p.add_argument("--eval-depth", type=int, default=4,
                    help="sweep: positions of the teacher-forced held-out evaluation")
+    p.add_argument("--snapshots", type=float, nargs="+", default=[], metavar="MINUTES",
+                   help="sweep: also keep each arm's drafter as it was after these training "
+                        "minutes (<out>/sweep/<arm>/drafter-<M>min), for a curve")
     p.add_argument("--max-new-tokens", type=int, default=128, help="regen: tokens per prompt")
     p.add_argument("--batch", type=int, default=32, help="regen: rows per batched forward")
     p.add_argument("--name", default="regen", help="regen: output name (<out>/<name>.json)")
@@ -355,7 +358,7 @@ def cmd_bench(a):
         sweep.run(a.dataset, {arm[0]: parse_fields(arm[1:]) for arm in a.arm},
                   minutes=a.minutes, parallel=a.parallel, out_dir=a.out,
                   eval_depth=a.eval_depth, served_prompts=a.served_prompts if a.served else 0,
-                  served_tokens=a.served_tokens)
+                  served_tokens=a.served_tokens, snapshots=a.snapshots)
         return
     if a.what == "regen":  # batched generation in-process, no Ray
         bench.bench_regen(prompts=a.samples or 32, max_new_tokens=a.max_new_tokens,

@@ -8,7 +8,9 @@ target, `eval_depth` positions). Arms run `parallel` at a time, one core each, s
 group see the same host load and are compared as ratios; one process and one thread per arm
 also keeps Ray and DDP out of what is measured. `--served` keeps each arm's drafter
 (<out>/<name>/<arm>/drafter) and measures its served acceptance in the arm's process: the real
-decoder, greedy, on held-out prompts (quality.served_acceptance).
+decoder, greedy, on held-out prompts (quality.served_acceptance). `--snapshots M ...` also keeps
+each arm's drafter as it was after M training minutes (<out>/<name>/<arm>/drafter-<M>min), for a
+curve evaluated afterwards without taking time from the arms.
 
     eagle3-ray bench sweep --dataset runs/bench/data/orig --minutes 2 \
         --arm previous targets=soft draft_vocab_size=8192 vocab_from=tokens --arm default \
@@ -30,9 +32,11 @@ from eagle3_ray import draft, schema, train, ttt
 
 
 def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4,
-              drafter_dir: str = "", served_prompts: int = 0, served_tokens: int = 64) -> dict:
+              drafter_dir: str = "", served_prompts: int = 0, served_tokens: int = 64,
+              snapshots: list[float] = ()) -> dict:
     """One arm in this process: train for `minutes` (or the arm's own max_minutes), evaluate
-    held-out -> metrics. drafter_dir: save the drafter there; served_prompts > 0: also decode
+    held-out -> metrics. drafter_dir: save the drafter there, and as it was after each of
+    `snapshots` training minutes beside it (drafter-<M>min); served_prompts > 0: also decode
     that many held-out prompts with it (quality.served_acceptance; needs drafter_dir)."""
     minutes = float(overrides.get("max_minutes", minutes))    # e.g. a 2x-budget arm
     with tempfile.TemporaryDirectory() as run_dir:     # prepare() writes vocab.json there
@@ -54,6 +58,16 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     teacher = teacher.to(amp or torch.float32)
     step = tokens = epoch = 0
     t0, train_s = time.monotonic(), 0.0
+    pending = sorted(m for m in snapshots if m < minutes) if drafter_dir else []
+
+    def save(directory: str, **extra) -> str:
+        from eagle3_ray import checkpoint
+        state = {k: v.detach() for k, v in drafter.state_dict().items()}
+        meta = {"ttt_steps": cfg.ttt_steps, "steps": step, "dataset": dataset,
+                "verifier": cfg.verifier, "train_config": asdict(cfg), "train_s": train_s,
+                **extra}
+        return checkpoint.save_drafter(directory, state, dcfg, meta)
+
     while train_s < 60 * minutes:
         shard.set_epoch(cfg.seed, epoch)
         for batch in shard.iter_batches(cfg.batch_size):
@@ -62,6 +76,9 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
                              torch.device("cpu"), amp)
             step, tokens = step + 1, tokens + int(b["attention_mask"].sum())
             train_s = time.monotonic() - t0
+            if pending and train_s >= 60 * pending[0]:    # saving is left out of the clock
+                save(os.path.join(os.path.dirname(drafter_dir), f"drafter-{pending.pop(0):g}min"))
+                t0 = time.monotonic() - train_s
             if train_s >= 60 * minutes:
                 break
         epoch += 1
@@ -80,11 +97,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
            "in_vocab": ev["in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
            "eval_positions": ev["count_0"], "config": asdict(cfg)}
     if drafter_dir:
-        from eagle3_ray import checkpoint
-        state = {k: v.detach() for k, v in drafter.state_dict().items()}
-        meta = {"ttt_steps": cfg.ttt_steps, "steps": step, "dataset": dataset,
-                "verifier": cfg.verifier, "train_config": asdict(cfg), "sweep_metrics": out}
-        out["drafter"] = checkpoint.save_drafter(drafter_dir, state, dcfg, meta)
+        out["drafter"] = save(drafter_dir, sweep_metrics=out)
     if served_prompts:
         from eagle3_ray import quality
         out["served"] = quality.served_acceptance(drafter_dir, served_prompts, served_tokens)
@@ -92,32 +105,35 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
 
 
 def _spawn(dataset: str, name: str, overrides: dict, minutes: float, eval_depth: int,
-           drafter_dir: str, served: tuple[int, int]):
+           drafter_dir: str, served: tuple[int, int], snapshots: list[float]):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "eagle3_ray.sweep", "--worker", dataset, json.dumps(overrides),
-           str(minutes), str(eval_depth), drafter_dir, str(served[0]), str(served[1])]
+           str(minutes), str(eval_depth), drafter_dir, str(served[0]), str(served[1]),
+           json.dumps(list(snapshots))]
     return name, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
 
 
 def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: int = 2,
         eval_depth: int = 4, out_dir: str = "runs/bench", name: str = "sweep",
-        served_prompts: int = 0, served_tokens: int = 64) -> dict:
+        served_prompts: int = 0, served_tokens: int = 64, snapshots: list[float] = ()) -> dict:
     """Every arm ({name: TrainConfig overrides}) for `minutes` (an arm's max_minutes override
     sets its own budget and lr schedule), `parallel` at a time (one core each).
     served_prompts > 0: each arm's drafter is kept (<out_dir>/<name>/<arm>/drafter) and
     decodes that many held-out prompts × served_tokens through the real decoder, in the arm's
-    own process (served acceptance). An arm may set its own `dataset=DIR` (e.g. original
+    own process (served acceptance), and with `snapshots` (minutes) also as it was at each
+    (<out_dir>/<name>/<arm>/drafter-<M>min). An arm may set its own `dataset=DIR` (e.g. original
     against regenerated answers); its teacher-forced figures are then on that dataset's
     held-out split. Writes <out_dir>/<name>.json + .png."""
     from eagle3_ray import bench
     data_of = {n: schema.absolute(o.get("dataset", dataset)) for n, o in arms.items()}
     items, runs = list(arms.items()), {}
     served = (served_prompts, served_tokens)
-    keep = lambda arm: os.path.join(out_dir, name, arm, "drafter") if served_prompts else ""
+    keep = lambda arm: (os.path.join(out_dir, name, arm, "drafter")
+                        if served_prompts or snapshots else "")
     for i in range(0, len(items), parallel):
         group = [_spawn(data_of[n], n, {k: v for k, v in o.items() if k != "dataset"},
-                        minutes, eval_depth, keep(n), served)
+                        minutes, eval_depth, keep(n), served, snapshots)
                  for n, o in items[i:i + parallel]]
         for arm, proc in group:
             out, err = proc.communicate()
@@ -165,5 +181,5 @@ def plot(result: dict, path: str) -> None:
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     torch.set_num_threads(1)
     res = train_arm(sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]),
-                    sys.argv[6], int(sys.argv[7]), int(sys.argv[8]))
+                    sys.argv[6], int(sys.argv[7]), int(sys.argv[8]), json.loads(sys.argv[9]))
     print("RESULT " + json.dumps(res), flush=True)

@@ -309,7 +309,8 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
     """bench sweep: two TrainConfig variants side by side for the same minutes, each in a
     fresh one-thread process, evaluated on the held-out split; JSON + PNG written. served:
     each arm's drafter is kept and decodes a held-out prompt through the real decoder. An arm
-    may train on its own dataset."""
+    may train on its own dataset. snapshots: the drafter as it was after that many minutes is
+    kept beside it (none for a time past the arm's budget)."""
     from eagle3_ray import checkpoint, sweep
     own = tmp_path / "own_data"
     shutil.copytree(dataset, own)
@@ -319,7 +320,7 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
             "hard": {**base, "deep_targets": "agreed", "max_minutes": 0.1,   # its own budget
                      "dataset": f"{dataset},{own}"}}                        # and data (two)
     r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path),
-                  served_prompts=1, served_tokens=4)
+                  served_prompts=1, served_tokens=4, snapshots=[0.02, 5])
     for name, run in r["runs"].items():
         assert run["steps"] >= 1 and run["tokens_per_s"] > 0, name
         assert run["eval_positions"] > 0 and len(run["acc"]) == 2, name
@@ -330,6 +331,9 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
         assert meta["steps"] == run["steps"] and meta["verifier"] == tiny_verifier
         assert meta["dataset"] == run["dataset"] == (f"{dataset},{own}" if name == "hard"
                                                      else dataset)
+        _, _, snap = checkpoint.load_drafter(str(tmp_path / "sweep" / name / "drafter-0.02min"))
+        assert 1 <= snap["steps"] <= meta["steps"] and snap["train_s"] >= 0.02 * 60, name
+        assert not (tmp_path / "sweep" / name / "drafter-5min").exists()
         served = run["served"]
         assert served["rounds"] > 0 and served["tokens"] > 0 and len(served["cond_acc"]) == 16
     assert r["runs"]["hard"]["config"]["deep_targets"] == "agreed"
