@@ -63,19 +63,33 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
             "acceptance_length": (sum(accepted) + rounds) / max(1, rounds)}
 
 
-def dataset(root: str, data: str, conversations: int, max_length: int,
+def dataset(root: str, kind: str, conversations: int, max_length: int,
             regen_max_new_tokens: int = 256) -> tuple[str, dict]:
-    """<root>/<data>: the first `conversations` embedded ShareGPT conversations, extracted as
-    they are (data="orig") or with the verifier's greedy answers (data="regen"). Resumes."""
+    """<root>/<kind>: the first `conversations` embedded ShareGPT conversations, extracted as
+    they are (kind="orig") or with the verifier's greedy answers (kind="regen"). Past the
+    first data.HELDOUT_FIRST the rest come from data.HELDOUT_END on (<root>/<kind>-from<END>),
+    so the held-out prompts stay out of training; the path is then both, joined by a comma
+    (read as one dataset). Resumes. -> (path, {"summary": totals over the parts})."""
     from eagle3_ray.extract import ExtractConfig, run_extract
-    if data not in ("orig", "regen"):
-        raise ValueError(f"data must be orig or regen, got {data!r}")
-    out = os.path.join(root, data)
-    manifest = run_extract(ExtractConfig(
-        output=out, sample_limit=conversations, max_length=max_length,
-        batch_rows=64 if data == "regen" else 32,     # larger generation batches
-        regenerate=data == "regen", regen_max_new_tokens=regen_max_new_tokens))
-    return out, manifest
+    if kind not in ("orig", "regen"):
+        raise ValueError(f"data must be orig or regen, got {kind!r}")
+    first = min(conversations, data.HELDOUT_FIRST)
+    slices = [(kind, 0, first)]
+    if conversations > first:
+        slices.append((f"{kind}-from{data.HELDOUT_END}", data.HELDOUT_END,
+                       conversations - first))
+    paths, summary = [], {"samples": 0, "tokens": 0, "loss_tokens": 0, "skipped": {}}
+    for name, offset, n in slices:
+        paths.append(os.path.join(root, name))
+        s = run_extract(ExtractConfig(
+            output=paths[-1], sample_limit=n, sample_offset=offset, max_length=max_length,
+            batch_rows=64 if kind == "regen" else 32,     # larger generation batches
+            regenerate=kind == "regen", regen_max_new_tokens=regen_max_new_tokens))["summary"]
+        for k in ("samples", "tokens", "loss_tokens"):
+            summary[k] += s[k]
+        for k, v in s["skipped"].items():
+            summary["skipped"][k] = summary["skipped"].get(k, 0) + v
+    return ",".join(paths), {"summary": summary}
 
 
 def _curve(run_dir: str) -> list[dict]:

@@ -33,6 +33,27 @@ def test_extract_embedded_default_through_ray(ray_cluster, tmp_path):
     assert json.loads((out / "manifest.json").read_text())["facts"] == f
 
 
+@pytest.mark.slow
+def test_bench_datasets_past_the_first_slice_leave_the_held_out_prompts_out(
+        ray_cluster, tmp_path, monkeypatch):
+    """quality.dataset: more conversations than data.HELDOUT_FIRST take the rest from
+    data.HELDOUT_END on (a second dataset, read with the first as one), never the
+    conversations whose prompts the benches decode. The bounds are shrunk here (2 and 4) so
+    it runs in seconds on the embedded default."""
+    from eagle3_ray import data, quality, train
+    monkeypatch.setattr(data, "HELDOUT_FIRST", 2)
+    monkeypatch.setattr(data, "HELDOUT_END", 4)
+    path, m = quality.dataset(str(tmp_path), "orig", 3, 160)
+    assert path == f"{tmp_path}/orig,{tmp_path}/orig-from4"
+    ids = [sid for sid, _ in data.iter_samples([data.EMBEDDED_SHAREGPT], limit=5)]
+    got = {r["sample_id"] for part in schema.read_datasets(path)["files"]
+           for r in pq.read_table(part["uri"], columns=["sample_id"]).to_pylist()}
+    assert got <= {ids[0], ids[1], ids[4]} and ids[4] in got        # not 2 and 3
+    assert m["summary"]["samples"] == len(got) and m["summary"]["skipped"]["offset"] == 4
+    assert train.prepare(train.TrainConfig(dataset=path, output=str(tmp_path / "run"),
+                                           draft_vocab_size=512))["manifest"]["files"]
+
+
 def test_bf16_verifier_made_batch_invariant_on_real_shapes(one_thread):
     """SmolLM2 in bf16: one forward of 9 tokens after a cached prompt equals 9 one-token
     forwards bit for bit once the verifier is batch invariant (the Speculator does this for a
