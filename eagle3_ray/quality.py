@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from eagle3_ray import data, ttt, verifier
+from eagle3_ray import data, schema, ttt, verifier
 
 SERVED_DEPTH = 16
 
@@ -69,7 +69,7 @@ def dataset(root: str, kind: str, conversations: int, max_length: int,
     they are (kind="orig") or with the verifier's greedy answers (kind="regen"). Past the
     first data.HELDOUT_FIRST the rest come from data.HELDOUT_END on (<root>/<kind>-from<END>),
     so the held-out prompts stay out of training; the path is then both, joined by a comma
-    (read as one dataset). Resumes. -> (path, {"summary": totals over the parts})."""
+    (read as one dataset). Resumes. -> (path, its manifest: schema.read_datasets)."""
     from eagle3_ray.extract import ExtractConfig, run_extract
     if kind not in ("orig", "regen"):
         raise ValueError(f"data must be orig or regen, got {kind!r}")
@@ -78,18 +78,15 @@ def dataset(root: str, kind: str, conversations: int, max_length: int,
     if conversations > first:
         slices.append((f"{kind}-from{data.HELDOUT_END}", data.HELDOUT_END,
                        conversations - first))
-    paths, summary = [], {"samples": 0, "tokens": 0, "loss_tokens": 0, "skipped": {}}
+    paths = []
     for name, offset, n in slices:
         paths.append(os.path.join(root, name))
-        s = run_extract(ExtractConfig(
+        run_extract(ExtractConfig(
             output=paths[-1], sample_limit=n, sample_offset=offset, max_length=max_length,
             batch_rows=64 if kind == "regen" else 32,     # larger generation batches
-            regenerate=kind == "regen", regen_max_new_tokens=regen_max_new_tokens))["summary"]
-        for k in ("samples", "tokens", "loss_tokens"):
-            summary[k] += s[k]
-        for k, v in s["skipped"].items():
-            summary["skipped"][k] = summary["skipped"].get(k, 0) + v
-    return ",".join(paths), {"summary": summary}
+            regenerate=kind == "regen", regen_max_new_tokens=regen_max_new_tokens))
+    path = ",".join(paths)
+    return path, schema.read_datasets(path)
 
 
 def _curve(run_dir: str) -> list[dict]:

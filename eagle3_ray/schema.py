@@ -305,7 +305,7 @@ def hidden_storage(manifest_or_facts: dict) -> str:
 
 def read_datasets(dataset: str, check=None) -> dict:
     """The manifest of one dataset, or of several joined by commas read as one: the first's
-    facts, the summaries' counts summed, every file with its full location ("uri"). check(uri,
+    facts, the summaries' counts summed (skip counts by reason too), every file with its full location ("uri"). check(uri,
     manifest) runs on each one first (train: the verifier facts)."""
     out = None
     for uri in dataset_uris(dataset):
@@ -319,6 +319,10 @@ def read_datasets(dataset: str, check=None) -> dict:
         out["files"] += files
         for key in ("samples", "tokens", "loss_tokens", "bytes"):
             out["summary"][key] = out["summary"].get(key, 0) + m["summary"].get(key, 0)
+        skipped = dict(out["summary"].get("skipped", {}))
+        for reason, n in m["summary"].get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        out["summary"]["skipped"] = skipped
         out["summary"]["target_ids"] = stores_target_ids(out) and stores_target_ids(m)
     return out
 

@@ -329,7 +329,7 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
     exactly 0, which adds to each sum what _pad_keys's zero values do.
     query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D]."""
     _, nh, q, d = query.shape
-    nkv, kv = key.shape[1], key.shape[2]
+    nkv = key.shape[1]
     index, keys = tree["index"], tree["keys"]                              # [P, L], [P, K]
     n_paths, width = index.shape
     scale = scaling if scaling is not None else d ** -0.5

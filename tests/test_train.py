@@ -162,6 +162,7 @@ def test_several_datasets_are_read_as_one(tiny_verifier, dataset, tmp_path):
     one, union = schema.read_manifest(dataset), schema.read_datasets(both)
     assert len(union["files"]) == 2 * len(one["files"])
     assert union["summary"]["samples"] == 2 * one["summary"]["samples"]
+    assert union["summary"]["skipped"] == {k: 2 * v for k, v in one["summary"]["skipped"].items()}
     assert {f["uri"].rsplit("/", 2)[-2] for f in union["files"]} == {"hs", "other"}
     setup = train.prepare(config(tiny_verifier, both, tmp_path / "run"))
     assert setup["manifest"]["files"] == union["files"]
