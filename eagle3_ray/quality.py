@@ -5,6 +5,7 @@ served_acceptance: greedy decoding of held-out prompts (ShareGPT conversations t
     counts per position, conditional acceptance, tau(d) for d = 1..16 and the measured tokens
     per verify round. This is what an engine would accept; the teacher-forced figures of
     training (ttt.py, train.evaluate_drafter) are estimates on the training distribution.
+    It refuses a drafter whose training data holds those prompts (check_unseen).
 compare: train one drafter per arm (TrainConfig overrides + which dataset) for one equal budget
     (minutes or steps), then report for each: its teacher-forced curve against training
     minutes, held-out teacher-forced metrics at 16 positions, and served acceptance.
@@ -39,6 +40,7 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
     from eagle3_ray import planner, speculate
     from eagle3_ray.train import load_trained_drafter
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
+    check_unseen(drafter_dir, meta)
     spec = spec or meta["verifier"]
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec)
     dec = speculate.Speculator(model, drafter.eval())
@@ -61,6 +63,47 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
             "acceptance_per_position": [a / max(1, d) for a, d in zip(accepted, drafted)],
             "cond_acc": cond, "tau_by_depth": ttt.accept_lengths(cond),
             "acceptance_length": (sum(accepted) + rounds) / max(1, rounds)}
+
+
+def training_slices(meta: dict) -> list[tuple[str, list, int, int | None]]:
+    """(where, inputs, first, count) of each conversation source a drafter's meta.json names
+    and this machine still has: the datasets it trained on (their manifests' ExtractConfig) and,
+    for online training, the run's online/source.json. count None: to the end."""
+    out = []
+    for uri in str(meta.get("dataset") or "").split(","):
+        if not uri or uri.startswith("online:"):
+            continue
+        try:
+            cfg = schema.read_manifest(uri).get("config") or {}
+        except (OSError, ValueError):           # moved, or not on this machine: nothing to check
+            continue
+        out.append((schema.manifest_path(uri), cfg.get("inputs") or [],
+                    cfg.get("sample_offset") or 0, cfg.get("sample_limit")))
+    from eagle3_ray.online import SOURCE_FILE
+    run_dir = (meta.get("train_config") or {}).get("output") or ""
+    source = os.path.join(run_dir, SOURCE_FILE)
+    if run_dir and os.path.isfile(source):
+        with open(source) as f:
+            src = json.load(f)
+        out.append((source, src.get("inputs") or [], src.get("skip") or 0, src.get("limit")))
+    return out
+
+
+def check_unseen(drafter_dir: str, meta: dict) -> None:
+    """Refuse to score a drafter on the held-out prompts when its training data holds them:
+    usable embedded ShareGPT conversations data.HELDOUT_FIRST..HELDOUT_END-1 (`extract --limit
+    8000` by hand would take them in). Sources this machine no longer has are not checked."""
+    for where, inputs, first, count in training_slices(meta):
+        end = first + count if count is not None else float("inf")
+        if data.EMBEDDED_SHAREGPT in inputs and first < data.HELDOUT_END \
+                and end > data.HELDOUT_FIRST:
+            last = "the end" if count is None else f"{end - 1:,}"
+            raise ValueError(
+                f"{drafter_dir}: trained on {where}: usable embedded ShareGPT conversations "
+                f"{first:,} to {last}, which hold the held-out prompts served acceptance decodes "
+                f"(conversations {data.HELDOUT_FIRST:,} to {data.HELDOUT_END - 1:,}); its figures "
+                f"would not be on unseen prompts. Train on `extract --limit "
+                f"{data.HELDOUT_FIRST}` and/or `--skip {data.HELDOUT_END}` data.")
 
 
 def dataset(root: str, kind: str, conversations: int, max_length: int,
