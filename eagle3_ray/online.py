@@ -180,14 +180,21 @@ def balance(snap: dict, replicas: int, workers: int) -> dict:
 
 # --- driver -------------------------------------------------------------------------------
 
+def read_source(output: str) -> tuple[str, dict | None]:
+    """The run dir's SOURCE_FILE -> (its path, its contents, or None before the first run)."""
+    fs, root = schema.resolve_fs(output)
+    path = f"{root}/{SOURCE_FILE}"
+    if fs.get_file_info(path).type != pa.fs.FileType.File:
+        return path, None
+    with fs.open_input_stream(path) as f:
+        return path, json.loads(f.read())
+
+
 def check_source(output: str, facts: dict, ecfg: extract.ExtractConfig) -> None:
     """The run dir remembers the hidden states it was trained on; a rerun with another
     verifier, layer ids, max length or regeneration is refused before anything starts."""
-    fs, root = schema.resolve_fs(output)
-    path = f"{root}/{SOURCE_FILE}"
-    if fs.get_file_info(path).type == pa.fs.FileType.File:
-        with fs.open_input_stream(path) as f:
-            saved = json.loads(f.read())
+    path, saved = read_source(output)
+    if saved is not None:
         schema.check_compatible(saved, facts, where=path)
         if (saved.get("inputs") != ecfg.inputs or saved.get("limit") != ecfg.sample_limit
                 or saved.get("skip", 0) != ecfg.sample_offset):
@@ -195,7 +202,8 @@ def check_source(output: str, facts: dict, ecfg: extract.ExtractConfig) -> None:
                              f"--limit {saved.get('limit')} --skip {saved.get('skip', 0)}; "
                              f"use a new --output to change them")
         return
-    fs.create_dir(f"{root}/online", recursive=True)
+    fs, _ = schema.resolve_fs(output)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     schema.write_bytes_atomic(fs, path, json.dumps(
         {"facts": facts, "inputs": ecfg.inputs, "limit": ecfg.sample_limit,
          "skip": ecfg.sample_offset}, indent=2).encode())

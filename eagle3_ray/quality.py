@@ -69,22 +69,19 @@ def training_slices(meta: dict) -> list[tuple[str, list, int, int | None]]:
     """(where, inputs, first, count) of each conversation source a drafter's meta.json names
     and this machine still has: the datasets it trained on (their manifests' ExtractConfig) and,
     for online training, the run's online/source.json. count None: to the end."""
-    out = []
-    for uri in str(meta.get("dataset") or "").split(","):
-        if not uri or uri.startswith("online:"):
-            continue
+    out, dataset = [], str(meta.get("dataset") or "")
+    offline = dataset and not dataset.startswith("online:")       # online: source.json below
+    for uri in schema.dataset_uris(dataset) if offline else []:
         try:
             cfg = schema.read_manifest(uri).get("config") or {}
         except (OSError, ValueError):           # moved, or not on this machine: nothing to check
             continue
         out.append((schema.manifest_path(uri), cfg.get("inputs") or [],
                     cfg.get("sample_offset") or 0, cfg.get("sample_limit")))
-    from eagle3_ray.online import SOURCE_FILE
+    from eagle3_ray.online import read_source
     run_dir = (meta.get("train_config") or {}).get("output") or ""
-    source = os.path.join(run_dir, SOURCE_FILE)
-    if run_dir and os.path.isfile(source):
-        with open(source) as f:
-            src = json.load(f)
+    source, src = read_source(run_dir) if run_dir else ("", None)
+    if src is not None:
         out.append((source, src.get("inputs") or [], src.get("skip") or 0, src.get("limit")))
     return out
 

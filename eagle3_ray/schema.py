@@ -305,8 +305,8 @@ def hidden_storage(manifest_or_facts: dict) -> str:
 
 def read_datasets(dataset: str, check=None) -> dict:
     """The manifest of one dataset, or of several joined by commas read as one: the first's
-    facts, the summaries' counts summed (skip counts by reason too), every file with its full location ("uri"). check(uri,
-    manifest) runs on each one first (train: the verifier facts)."""
+    facts, the summaries' counts summed (skip counts by reason too), every file with its full
+    location ("uri"). check(uri, manifest) runs on each one first (train: the verifier facts)."""
     out = None
     for uri in dataset_uris(dataset):
         m = read_manifest(uri)
