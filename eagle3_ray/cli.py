@@ -120,6 +120,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="recompute attention + logits in backward (auto: on GPUs only)")
     p.add_argument("--init", choices=("verifier", "random"), default=d["init"],
                    help="start fc + the decoder layer from the verifier or from noise")
+    p.add_argument("--copy-head", action="store_true", default=d["copy_head"],
+                   help="add one KV group seeded as a copy (induction) head, fitted on the first "
+                        "64 training samples (init verifier, a dataset on disk)")
     p.add_argument("--max-steps", type=int, default=d["max_steps"])
     p.add_argument("--max-epochs", type=int, default=d["max_epochs"])
     p.add_argument("--max-minutes", type=float, default=d["max_minutes"],

@@ -438,6 +438,8 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
                     and 0.317 from random init)
     So at step 0 the drafter is one more verifier layer on the verifier's own state: exactly
     the verifier's output of that layer (tests/test_draft.py), a prediction one token early.
+    A drafter with more heads than the verifier (copyhead.with_copy_group) gets the verifier's
+    heads first and the rest at zero, which leaves that output unchanged.
     Tensors the verifier lacks or shapes that differ (an MoE MLP, MLA attention) keep their
     random init. Returns {"layer": j, "copied": [...], "kept_random": [...]}."""
     c, m = drafter.config, drafter.midlayer
@@ -456,14 +458,21 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     copied, kept = [], []
     for mine, theirs in plan.items():
         src, dst = w.get(pre + theirs), params[mine]
-        half = mine.split(".")[1] in ("q_proj", "k_proj", "v_proj")       # [out, 2H] columns
+        proj = mine.split(".")[1]
+        half = proj in ("q_proj", "k_proj", "v_proj")                      # [out, 2H] columns
         want = (dst.shape[0], h) if half else tuple(dst.shape)
-        if src is None or tuple(src.shape) != want:
+        spare = src is not None and proj in ("q_proj", "k_proj", "v_proj", "o_proj") and (
+            src.shape[0] < want[0] if half else src.shape[1] < want[1])    # more heads here
+        if src is None or (tuple(src.shape) != want and not spare):
             kept.append(f"midlayer.{mine}")
             continue
         src = src.to(dst.dtype)
         if half:
-            dst[:, :h], dst[:, h:] = 0, src                # [out, 2H]: embedding | hidden half
+            dst.zero_()
+            dst[:src.shape[0], h:] = src                   # [out, 2H]: embedding | hidden half
+        elif spare:
+            dst.zero_()
+            dst[:, :src.shape[1]] = src                    # o_proj: the verifier's heads first
         else:
             dst.copy_(src)
         copied.append(f"midlayer.{mine}")

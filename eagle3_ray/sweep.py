@@ -47,9 +47,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     torch.manual_seed(cfg.seed)
     manifest, dcfg = setup["manifest"], draft.DraftConfig(**setup["draft_config"])
     column = train.vocab_column(cfg, schema.stores_target_ids(manifest))
-    d2t, t2d = train.mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
-    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=False,
-                                           init=cfg.init)
+    drafter, teacher = train.build_for_training(cfg, setup, teacher_check=False)
     parts = [f["uri"] for f in manifest["files"]]
     shard = train.ParquetShard(parts, cfg.eval_fraction, False, 0, 1)
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagle3_ray import checkpoint, draft, schema, ttt, verifier, vocab
+from eagle3_ray import checkpoint, copyhead, draft, schema, ttt, verifier, vocab
 
 # Dataset facts a drafter's verifier must share (a different max_length or regeneration is fine).
 VERIFIER_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "layer_id_convention",
@@ -93,6 +93,10 @@ class TrainConfig:
     init: str = "verifier"                # verifier: fc passes the highest aux state through and
                                           # the midlayer starts as that verifier layer
                                           # (draft.init_from_verifier); random: noise
+    copy_head: bool = False               # one more KV group, seeded as a copy (induction) head
+                                          # fitted on the first 64 training samples
+                                          # (copyhead.py); needs init verifier and a dataset
+                                          # on disk
     max_steps: int = 200                  # optimizer steps in total (across resumes)
     max_epochs: int = 1000                # stop after this many passes even if steps remain
     max_minutes: float = 0                # wall-clock budget of the training loop; 0 = none
@@ -196,6 +200,9 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if cfg.init not in draft.INIT_MODES:
         raise ValueError(f"init must be one of {draft.INIT_MODES}, got {cfg.init!r}")
+    if cfg.copy_head and cfg.init != "verifier":
+        raise ValueError("copy_head is seeded on top of init verifier (copyhead.py): "
+                         f"use init verifier, not {cfg.init!r}")
     if cfg.parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
     if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
@@ -268,8 +275,51 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
              "coverage": vocab.coverage(counts, t2d)}).encode())
     dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
                                                   manifest["facts"]["aux_layer_ids"])
+    if cfg.copy_head:
+        if not manifest["files"]:
+            raise ValueError("copy_head is fitted on the first training samples of a dataset on "
+                             "disk; online training has none yet (train from a dataset, or "
+                             "without copy_head)")
+        dcfg = copyhead.with_copy_group(dcfg)
     return {"manifest": manifest, "draft_config": dcfg.to_dict(), "d2t": d2t.tolist(),
             "manifest_hash": checkpoint.manifest_hash(manifest)}
+
+
+def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool):
+    """The drafter and teacher a run starts from (before any checkpoint is loaded): the
+    draft config and vocab of `setup`, cfg.init, and with cfg.copy_head the copy head seeded
+    on the first COPY_HEAD_ROWS training samples (the same rows on every worker)."""
+    dcfg = draft.DraftConfig(**setup["draft_config"])
+    d2t, t2d = mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
+    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d,
+                                           teacher_check=teacher_check, init=cfg.init)
+    if cfg.copy_head:
+        rows = first_rows(setup["manifest"], COPY_HEAD_ROWS, cfg.eval_fraction)
+        copyhead.seed_copy_head(drafter, *real_positions(rows, dcfg.hidden_size, cfg.max_seq_len))
+    return drafter, teacher
+
+
+COPY_HEAD_ROWS = 64
+
+
+def first_rows(manifest: dict, n: int, eval_fraction: float = 0.05) -> pa.Table:
+    """The first `n` training samples (held-out ones skipped) of a dataset, in file order."""
+    got, count = [], 0
+    for fs, path in schema.part_paths([f["uri"] for f in manifest["files"]]):
+        with fs.open_input_file(path) as f:
+            t = _split(pq.read_table(f), eval_fraction, False)
+        got.append(t.slice(0, n - count))
+        count += got[-1].num_rows
+        if count >= n:
+            break
+    return pa.concat_tables(got)
+
+
+def real_positions(rows: pa.Table, hidden: int, max_len: int = 2048):
+    """Rows -> (aux [N, 3H], input_ids [N]) at their N real positions."""
+    b = collate(rows, hidden, max_len)
+    real = b["attention_mask"].bool()
+    return b["aux_hidden_states"][real], b["input_ids"][real]
 
 
 def mapping_from_d2t(d2t: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,10 +477,8 @@ def train_loop_per_worker(loop: dict) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, ctx.get_local_world_size())))
     torch.manual_seed(cfg.seed)
     dcfg = draft.DraftConfig(**setup["draft_config"])
-    d2t, t2d = mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
     stored = schema.stores_target_ids(setup["manifest"])  # then no lm_head rows outside Vd
-    drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d, teacher_check=not stored,
-                                           init=cfg.init)
+    drafter, teacher = build_for_training(cfg, setup, teacher_check=not stored)
     device = ray.train.torch.get_device()
     amp_dtype = autocast_dtype(cfg.precision, cfg.use_gpu)
     teacher = teacher.to(device, amp_dtype or torch.float32)  # the teacher's matmuls in bf16 too
@@ -697,14 +745,19 @@ def load_train_state(d: str, model, opts) -> dict:
 
 
 def check_names(model, state: dict, where: str) -> None:
-    """Saved drafter weights name exactly the drafter's tensors, the frozen embedding (the
-    verifier's, rebuilt on load) optional."""
+    """Saved drafter weights name exactly the drafter's tensors, with the drafter's shapes,
+    the frozen embedding (the verifier's, rebuilt on load) optional."""
     frozen = {"embed_tokens.weight"}
-    names = set(model.state_dict())
-    missing, unexpected = sorted(names - frozen - set(state)), sorted(set(state) - names)
+    mine = model.state_dict()
+    missing, unexpected = sorted(set(mine) - frozen - set(state)), sorted(set(state) - set(mine))
     if missing or unexpected:
         raise ValueError(f"{where}: weights do not fit the drafter "
                          f"(missing {missing}, unexpected {unexpected})")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(mine[name].shape):       # DTensor: the whole tensor's shape
+            raise ValueError(f"{where}: {name} is {tuple(t.shape)} there and "
+                             f"{tuple(mine[name].shape)} in this drafter (resume with the "
+                             "settings the run started with, e.g. the same --copy-head)")
 
 
 def load_weights(model, state: dict, where: str) -> None:

@@ -114,10 +114,11 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
     """parallel="fsdp": FSDP2 over gloo, each of the 2 workers holding half of the drafter's
     weights, gradients and AdamW state. The loss falls, eval runs on an unsharded copy, the
     checkpoint and the exported drafter hold whole tensors, and a rerun resumes. The steps past
-    0 run on half the positions (deep_fraction; eval on all of them)."""
+    0 run on half the positions (deep_fraction; eval on all of them). With copy_head, whose
+    seed both workers fit on the same first samples."""
     out = tmp_path / "run"
     run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=16,
-                     checkpoint_every=8, eval_every=16, deep_fraction=0.5))
+                     checkpoint_every=8, eval_every=16, deep_fraction=0.5, copy_head=True))
     hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first = sum(h["train/loss"] for h in hist[:3]) / 3
     last = sum(h["train/loss"] for h in hist[-3:]) / 3
@@ -129,8 +130,14 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
     weights = load_file(out / "drafter" / "model.safetensors")
     assert weights["lm_head.weight"].shape == (49152, 64)
     assert weights["midlayer.mlp.down_proj.weight"].shape == (64, 128)
+    # copy_head: one more KV group (3 x 16 rows of k_proj over the 2H inputs), in the config
+    # the engines read, seeded identically on both workers (the same first samples)
+    assert weights["midlayer.self_attn.k_proj.weight"].shape == (3 * 16, 128)
+    assert weights["midlayer.self_attn.o_proj.weight"].shape == (64, 6 * 16)
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert (cfg["num_key_value_heads"], cfg["num_attention_heads"]) == (3, 6)
     run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=20,
-                     checkpoint_every=8))
+                     checkpoint_every=8, copy_head=True))
     assert logged_steps(out) == list(range(1, 21))
     with pytest.raises(ValueError, match="parallel must be ddp or fsdp"):
         run_train(config(tiny_verifier, dataset, tmp_path / "x", parallel="zero3"))
@@ -294,6 +301,11 @@ def test_muon_and_adamw_states_round_trip_through_a_checkpoint(tmp_path):
         train.save_train_state(str(tmp_path), weights, opt_state, {"step": 2})
         model2, opts2 = fresh()
         assert train.load_train_state(str(tmp_path), model2, opts2) == {"step": 2}
+        # a resume with other shapes (here one more KV group: --copy-head) names the tensor
+        from eagle3_ray import copyhead
+        wide = Eagle3Drafter(copyhead.with_copy_group(c))
+        with pytest.raises(ValueError, match=r"k_proj.weight is \(16, 64\) there and \(24, 64\)"):
+            train.load_train_state(str(tmp_path), wide, train.make_optimizers(cfg, wide))
     finally:
         dist.destroy_process_group()
     for o, o2 in zip(opts, opts2):
