@@ -29,12 +29,10 @@ Measured on the embedded default against plain verifier init, side by side at eq
 12 minutes and ttt 8 / 30 minutes; +0.10 on the positions a bigram lookup gets right, level
 elsewhere) at ~11% fewer steps; served tau(8) +2.6%, inside the noise. Off by default.
 
-    python -m eagle3_ray.copyhead runs/demo/data      # step-0 effect on a dataset's first rows
+    eagle3-ray train --dataset runs/demo/data --output /tmp/copy --copy-head --max-steps 20
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 
 import torch
@@ -124,37 +122,3 @@ def seed_copy_head(drafter: draft.Eagle3Drafter, aux: torch.Tensor, ids: torch.T
     attn.o_proj.weight[:, q0:q0 + value_dims] = \
         (gain / value_scale * basis.T / drafter.norm.weight.float()[:, None]).to(dt)
     return {"code_r2": float(code_r2), "key_r2": float(key_r2), "tokens": int(len(ids))}
-
-
-def main(argv=None):
-    from eagle3_ray import schema, train, ttt, verifier
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("dataset", help="a hidden-state dataset (eagle3-ray extract)")
-    p.add_argument("--rows", type=int, default=64, help="samples to fit on; the next 32 are scored")
-    a = p.parse_args(argv)
-    manifest = schema.read_datasets(a.dataset)
-    spec = manifest["facts"]["verifier"]
-    cfg = verifier.load_config(spec)
-    c = draft.DraftConfig.from_verifier_config(cfg, cfg.vocab_size, manifest["facts"]["aux_layer_ids"])
-    t2d = torch.ones(c.vocab_size, dtype=torch.bool)
-    d2t = torch.zeros(c.vocab_size, dtype=torch.long)
-    rows = train.first_rows(manifest, a.rows + 32)
-    fit, scored = rows.slice(0, a.rows), rows.slice(a.rows)
-    out = {}
-    for name, config in (("verifier init", c), ("with copy head", with_copy_group(c))):
-        drafter, teacher = draft.build_drafter(spec, config, d2t, t2d, init="verifier",
-                                               teacher_check=False)
-        if config is not c:
-            out["fit"] = seed_copy_head(drafter, *train.real_positions(fit, c.hidden_size))
-        sums = train.MetricSums(1)
-        for i in range(0, scored.num_rows, 4):
-            b = train.collate(scored.slice(i, 4), c.hidden_size, 2048)
-            with torch.no_grad():
-                loss, m = ttt.ttt_loss(drafter, teacher, b, 1, 1.0, targets="hard")
-            sums.add(m, float(loss), int(b["attention_mask"].sum()))
-        out[name] = {"step0_acc_0": sums.summarize(sums.t, "")["acc_0"]}
-    print(json.dumps(out, indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -295,7 +295,10 @@ def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool):
                                            teacher_check=teacher_check, init=cfg.init)
     if cfg.copy_head:
         rows = first_rows(setup["manifest"], COPY_HEAD_ROWS, cfg.eval_fraction)
-        copyhead.seed_copy_head(drafter, *real_positions(rows, dcfg.hidden_size, cfg.max_seq_len))
+        fit = copyhead.seed_copy_head(drafter, *real_positions(rows, dcfg.hidden_size,
+                                                                cfg.max_seq_len))
+        print(f"[train] copy head fitted on {fit['tokens']} positions of {rows.num_rows} samples "
+              f"(code R^2 {fit['code_r2']:.2f}, key R^2 {fit['key_r2']:.2f})")
     return drafter, teacher
 
 
