@@ -285,7 +285,7 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
             "manifest_hash": checkpoint.manifest_hash(manifest)}
 
 
-def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool):
+def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool, log: bool = True):
     """The drafter and teacher a run starts from (before any checkpoint is loaded): the
     draft config and vocab of `setup`, cfg.init, and with cfg.copy_head the copy head seeded
     on the first COPY_HEAD_ROWS training samples (the same rows on every worker)."""
@@ -297,8 +297,9 @@ def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool):
         rows = first_rows(setup["manifest"], COPY_HEAD_ROWS, cfg.eval_fraction)
         fit = copyhead.seed_copy_head(drafter, *real_positions(rows, dcfg.hidden_size,
                                                                 cfg.max_seq_len))
-        print(f"[train] copy head fitted on {fit['tokens']} positions of {rows.num_rows} samples "
-              f"(code R^2 {fit['code_r2']:.2f}, key R^2 {fit['key_r2']:.2f})")
+        if log:
+            print(f"[train] copy head fitted on {fit['tokens']} positions of {rows.num_rows} "
+                  f"samples (code R^2 {fit['code_r2']:.2f}, key R^2 {fit['key_r2']:.2f})")
     return drafter, teacher
 
 
@@ -481,7 +482,7 @@ def train_loop_per_worker(loop: dict) -> None:
     torch.manual_seed(cfg.seed)
     dcfg = draft.DraftConfig(**setup["draft_config"])
     stored = schema.stores_target_ids(setup["manifest"])  # then no lm_head rows outside Vd
-    drafter, teacher = build_for_training(cfg, setup, teacher_check=not stored)
+    drafter, teacher = build_for_training(cfg, setup, teacher_check=not stored, log=rank == 0)
     device = ray.train.torch.get_device()
     amp_dtype = autocast_dtype(cfg.precision, cfg.use_gpu)
     teacher = teacher.to(device, amp_dtype or torch.float32)  # the teacher's matmuls in bf16 too
