@@ -27,7 +27,8 @@ KV group in its config: SGLang and vLLM read it as any other.
 Measured on the embedded default against plain verifier init, side by side at equal minutes
 (docs/benchmarks.md, "A seeded copy head"): teacher-forced acc 0 +0.014 on two hosts (ttt 4 /
 12 minutes and ttt 8 / 30 minutes; +0.10 on the positions a bigram lookup gets right, level
-elsewhere) at ~11% fewer steps; served tau(8) +2.6%, inside the noise. Off by default.
+elsewhere) at ~11% fewer steps; served tau(8) +2.6%, inside the noise, and none with the
+decoder's lookup fallback on (both take the same copied spans). Off by default.
 
     eagle3-ray train --dataset runs/demo/data --output /tmp/copy --copy-head --max-steps 20
 """
