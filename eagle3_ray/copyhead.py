@@ -41,10 +41,6 @@ import torch
 from eagle3_ray import draft
 
 
-def _rms_normalize(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
 def _ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
     """argmin_A |x A^T - y|^2 + lam |A|^2: x [N, I], y [N, O] -> A [O, I] (fp64 solve)."""
     x, y = x.double(), y.double()
@@ -86,7 +82,7 @@ def seed_copy_head(drafter: draft.Eagle3Drafter, aux: torch.Tensor, ids: torch.T
                          f"(at least {2 * h})")
     aux = aux.float()
     w = drafter.embed_tokens.weight.float()                                  # [V, H]
-    e = _rms_normalize(w)                                                    # [V, H]
+    e = draft.rms_norm(w, 1.0, 1e-6)                                         # [V, H]
     _, s_e, vh_e = torch.linalg.svd(e, full_matrices=False)
     _, s_w, vh_w = torch.linalg.svd(w, full_matrices=False)
     dims = list(range(hd // 2 - pairs, hd // 2))

@@ -458,23 +458,16 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     copied, kept = [], []
     for mine, theirs in plan.items():
         src, dst = w.get(pre + theirs), params[mine]
-        proj = mine.split(".")[1]
-        half = proj in ("q_proj", "k_proj", "v_proj")                      # [out, 2H] columns
-        want = (dst.shape[0], h) if half else tuple(dst.shape)
-        spare = src is not None and proj in ("q_proj", "k_proj", "v_proj", "o_proj") and (
-            src.shape[0] < want[0] if half else src.shape[1] < want[1])    # more heads here
-        if src is None or (tuple(src.shape) != want and not spare):
+        attn = mine.startswith("self_attn.")
+        region = dst[:, h:] if mine.split(".")[1] in ("q_proj", "k_proj", "v_proj") else dst
+        fits = src is not None and src.dim() == region.dim() and (        # q/k/v: hidden half
+            tuple(src.shape) == tuple(region.shape)
+            or attn and all(a <= b for a, b in zip(src.shape, region.shape)))  # more heads here
+        if not fits:
             kept.append(f"midlayer.{mine}")
             continue
-        src = src.to(dst.dtype)
-        if half:
-            dst.zero_()
-            dst[:src.shape[0], h:] = src                   # [out, 2H]: embedding | hidden half
-        elif spare:
-            dst.zero_()
-            dst[:, :src.shape[1]] = src                    # o_proj: the verifier's heads first
-        else:
-            dst.copy_(src)
+        dst.zero_()                       # q/k/v's embedding half and any spare heads stay zero
+        region[tuple(slice(n) for n in src.shape)] = src.to(dst.dtype)  # the verifier's first
         copied.append(f"midlayer.{mine}")
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, 2 * h:] = torch.eye(h)                            # [H, 3H]: high aux

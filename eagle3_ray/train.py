@@ -285,6 +285,9 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
             "manifest_hash": checkpoint.manifest_hash(manifest)}
 
 
+COPY_HEAD_ROWS = 64                       # samples the copy head is fitted on
+
+
 def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool, log: bool = True):
     """The drafter and teacher a run starts from (before any checkpoint is loaded): the
     draft config and vocab of `setup`, cfg.init, and with cfg.copy_head the copy head seeded
@@ -301,9 +304,6 @@ def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool, log: 
             print(f"[train] copy head fitted on {fit['tokens']} positions of {rows.num_rows} "
                   f"samples (code R^2 {fit['code_r2']:.2f}, key R^2 {fit['key_r2']:.2f})")
     return drafter, teacher
-
-
-COPY_HEAD_ROWS = 64
 
 
 def first_rows(manifest: dict, n: int, eval_fraction: float = 0.05) -> pa.Table:
