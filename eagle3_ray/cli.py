@@ -262,7 +262,8 @@ def cmd_demo(a):
     from eagle3_ray.demo import DemoConfig, run_demo
     run_demo(DemoConfig(run_dir=a.run_dir, samples=a.samples, max_length=a.max_length,
                         regenerate=a.regenerate, regen_max_new_tokens=a.regen_max_new_tokens,
-                        ttt_steps=a.ttt_steps, train_minutes=a.train_minutes, depth=a.depth,
+                        ttt_steps=a.ttt_steps, train_steps=a.train_steps,
+                        train_minutes=a.train_minutes, depth=a.depth,
                         prompts=a.prompts, max_tokens=a.max_tokens, fresh=a.fresh,
                         address=a.address))
 
@@ -493,7 +494,10 @@ def main(argv=None) -> int:
                    help="train on the verifier's own greedy answers")
     d.add_argument("--regen-max-new-tokens", type=int, default=dd["regen_max_new_tokens"])
     d.add_argument("--ttt-steps", type=int, default=dd["ttt_steps"])
-    d.add_argument("--train-minutes", type=float, default=dd["train_minutes"])
+    d.add_argument("--train-steps", type=int, default=dd["train_steps"],
+                   help="the drafter's optimizer steps (the same on every host)")
+    d.add_argument("--train-minutes", type=float, default=dd["train_minutes"],
+                   help="wall-clock cap on training")
     d.add_argument("--depth", type=int, default=dd["depth"], help="served depth (0: the ttt_steps)")
     d.add_argument("--prompts", type=int, default=dd["prompts"], help="held-out prompts per depth")
     d.add_argument("--max-tokens", type=int, default=dd["max_tokens"])

@@ -19,9 +19,9 @@ def test_demo_runs_the_four_stages_and_reports(serve_after, tmp_path, capsys):
     from eagle3_ray.demo import DemoConfig, run_demo
     run_dir = tmp_path / "demo"
     cfg = DemoConfig(run_dir=str(run_dir), samples=8, max_length=96, ttt_steps=2,
-                     train_minutes=0.05, prompts=1, max_tokens=8)
+                     train_steps=3, train_minutes=2, prompts=1, max_tokens=8)
     r = run_demo(cfg)
-    assert r["depth"] == 2 and r["ttt_steps"] == 2 and r["train_steps"] >= 1
+    assert r["depth"] == 2 and r["ttt_steps"] == 2 and r["train_steps"] == 3   # the step budget
     assert r["identical_outputs"]                       # greedy: every arm = depth 0
     for arm in ("depth_0", "depth_2", "depth_dynamic"):
         assert r[arm]["tokens"] > 0 and r[arm]["tokens_per_s"] > 0, arm
