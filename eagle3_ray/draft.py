@@ -207,6 +207,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self._rope_table = None  # (cos, sin) [P, D] for positions 0..P-1, built by rope()
         self.reset_parameters()
 
     @torch.no_grad()
@@ -222,11 +223,19 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)  # [B, S, 3H] -> [B, S, H]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers)."""
-        inv = rope_inv_freq(self.config, positions.device)                 # [D/2]
-        freqs = positions[..., None].float() * inv                         # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]                   # [B, 1, S, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers), read
+        from a table of every position up to the largest seen so far (a draft step would
+        otherwise spend ~10 small ops recomputing it)."""
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._rope_table
+        if table is None or table[0].shape[0] < n or table[0].device != positions.device:
+            size = max(n, 256 if table is None else 2 * table[0].shape[0])
+            inv = rope_inv_freq(self.config, positions.device)             # [D/2]
+            freqs = torch.arange(size, device=positions.device).float()[:, None] * inv  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)                        # [P, D]
+            table = self._rope_table = emb.cos(), emb.sin()                # fp32 [P, D] each
+        return (table[0][positions][:, None].to(dtype),                    # [B, 1, S, D]
+                table[1][positions][:, None].to(dtype))
 
     def qkv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """token_ids [B, S], hidden [B, S, H], positions [B, S] ->

@@ -23,7 +23,19 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
     else:  # "local" ignores a stale /tmp/ray/ray_current_cluster
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 runtime_env={"worker_process_setup_hook": "eagle3_ray.launch.quiet_workers"})
+
+
+def quiet_workers() -> None:
+    """Runs in every worker of a local Ray started here. Without the dashboard there is no
+    State API, and Ray Train's PlacementGroupCleaner (a detached actor that would remove a
+    crashed controller's placement group) asks it every second whether the controller is
+    alive, logging a warning each time: ~500 lines in a demo's 8 training minutes. The local
+    cluster ends with this process, so nothing is left to clean; its warnings are dropped."""
+    import logging
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner"
+                      ).setLevel(logging.ERROR)
 
 
 def run_main(fn, *args) -> int:

@@ -139,11 +139,11 @@ class DraftKV:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         b, nh, s, d = q.shape
         keys, values = self.k, self.v
-        if s == 1:                        # a draft step: its one query sees every cached key
-            nkv = keys.shape[1]
-            rows = q.reshape(nkv, nh // nkv, d)                          # [nkv, g, D], GQA
-            p = ((rows @ keys[0].transpose(-1, -2)).float() * d ** -0.5).softmax(-1)  # [nkv, g, L]
-            return (p.to(values.dtype) @ values[0]).reshape(b, 1, nh * d)          # [1, 1, nh*D]
+        if s == 1:                        # a draft step: its one query sees every cached key,
+            nkv = keys.shape[1]           # so a KV group's g query heads are g unmasked rows
+            rows = q.reshape(1, nkv, nh // nkv, d)                       # [1, nkv, g, D], GQA
+            out = F.scaled_dot_product_attention(rows, keys, values)     # [1, nkv, g, D]
+            return out.reshape(b, 1, nh * d)                             # [1, 1, nh*D]
         if nh != keys.shape[1]:                                           # GQA
             keys = keys.repeat_interleave(nh // keys.shape[1], dim=1)     # [1, nh, L, D]
             values = values.repeat_interleave(nh // values.shape[1], dim=1)

@@ -172,6 +172,14 @@ def test_rope_matches_transformers(rope):
     cos, sin = m.rope(pos, x.dtype)
     assert torch.allclose(cos[:, 0], cos_ref, atol=1e-5)
     assert torch.allclose(x * cos + draft.rotate_half(x) * sin, q_ref, atol=1e-5)
+    # positions past the cached table (256 at first) grow it; bf16 reads the same table
+    far = pos + 3000
+    cos_far, sin_far = m.rope(far, torch.bfloat16)
+    cos_ref, sin_ref = LlamaRotaryEmbedding(cfg)(x, far)
+    assert m._rope_table[0].shape[0] > 3000 and cos_far.dtype == torch.bfloat16
+    assert torch.allclose(cos_far[:, 0].float(), cos_ref, atol=1e-2)
+    assert torch.allclose(sin_far[:, 0].float(), sin_ref, atol=1e-2)
+    assert torch.equal(m.rope(pos, x.dtype)[0], cos)            # the grown table, same values
 
 
 def test_layer_residual_is_the_hidden_input():

@@ -115,3 +115,26 @@ def test_serve_replica_lands_on_the_pcie_node_and_extraction_on_the_others(tiny_
     # online training: its extractor on the extract nodes (above), its worker on the pcie node
     assert got["train_worker_nodes"] == [got["pcie_node"]], got
     assert got["samples"] == 12
+
+
+def test_local_ray_quiets_the_placement_group_cleaner():
+    """A local Ray started by init_ray has no dashboard, so no State API: Ray Train's
+    PlacementGroupCleaner would warn every second that it cannot ask it (~500 lines in a demo).
+    Its workers drop those warnings; others' stay. A real local Ray in a process of its own."""
+    code = (
+        "import logging, ray\n"
+        "from eagle3_ray.launch import init_ray\n"
+        "init_ray(None, 1)\n"
+        "@ray.remote\n"
+        "def levels():\n"
+        "    g = logging.getLogger\n"
+        "    return (g('ray.train.v2._internal.execution.controller.placement_group_cleaner')"
+        ".getEffectiveLevel(), g('eagle3_ray.train').getEffectiveLevel())\n"
+        "print(*ray.get(levels.remote()))\n")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cleaner, ours = map(int, out.stdout.split()[-2:])
+    assert cleaner == 40 and ours < 40                       # logging.ERROR; ours untouched
