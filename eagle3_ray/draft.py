@@ -171,6 +171,14 @@ def rope_inv_freq(c: DraftConfig, device=None) -> torch.Tensor:
     raise ValueError(f"rope scaling {kind!r} not supported (default, linear, llama3): {s}")
 
 
+def rope_cos_sin(c: DraftConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [..] -> fp32 cos, sin [.., D] of the rotary angles (transformers' layout:
+    the D/2 frequencies twice)."""
+    freqs = positions[..., None].float() * rope_inv_freq(c, positions.device)  # [.., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                                  # [.., D]
+    return emb.cos(), emb.sin()
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)  # [.., D]
@@ -207,7 +215,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
-        self._rope_table = None  # (cos, sin) [P, D] for positions 0..P-1, built by rope()
+        self._rope_table = None  # CPU: fp32 (cos, sin) [P, D] of positions 0..P-1 (rope)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -223,19 +231,19 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)  # [B, S, 3H] -> [B, S, H]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers), read
-        from a table of every position up to the largest seen so far (a draft step would
-        otherwise spend ~10 small ops recomputing it)."""
-        n = int(positions.max()) + 1 if positions.numel() else 0
-        table = self._rope_table
-        if table is None or table[0].shape[0] < n or table[0].device != positions.device:
-            size = max(n, 256 if table is None else 2 * table[0].shape[0])
-            inv = rope_inv_freq(self.config, positions.device)             # [D/2]
-            freqs = torch.arange(size, device=positions.device).float()[:, None] * inv  # [P, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)                        # [P, D]
-            table = self._rope_table = emb.cos(), emb.sin()                # fp32 [P, D] each
-        return (table[0][positions][:, None].to(dtype),                    # [B, 1, S, D]
-                table[1][positions][:, None].to(dtype))
+        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers). On
+        CPU read from a table of every position up to the largest seen so far (a draft step
+        would otherwise spend ~10 small ops on it); elsewhere computed directly (sizing the
+        table would cost a device sync per call)."""
+        if positions.device.type != "cpu":
+            cos, sin = rope_cos_sin(self.config, positions)                # [B, S, D] each
+        else:
+            n = int(positions.max()) + 1 if positions.numel() else 0
+            if self._rope_table is None or self._rope_table[0].shape[0] < n:
+                size = max(n, 256 if self._rope_table is None else 2 * len(self._rope_table[0]))
+                self._rope_table = rope_cos_sin(self.config, torch.arange(size))  # [P, D] each
+            cos, sin = (t[positions] for t in self._rope_table)            # [B, S, D] each
+        return cos[:, None].to(dtype), sin[:, None].to(dtype)              # [B, 1, S, D]
 
     def qkv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """token_ids [B, S], hidden [B, S, H], positions [B, S] ->

@@ -180,6 +180,8 @@ def test_rope_matches_transformers(rope):
     assert torch.allclose(cos_far[:, 0].float(), cos_ref, atol=1e-2)
     assert torch.allclose(sin_far[:, 0].float(), sin_ref, atol=1e-2)
     assert torch.equal(m.rope(pos, x.dtype)[0], cos)            # the grown table, same values
+    direct = draft.rope_cos_sin(c, far)[0]                      # what a GPU computes per call
+    assert torch.allclose(m.rope(far, torch.float32)[0][:, 0], direct, atol=1e-6)
 
 
 def test_layer_residual_is_the_hidden_input():
