@@ -87,15 +87,16 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
             b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
             loss, m = ttt.ttt_loss(drafter, teacher, b, eval_depth, 1.0, targets="hard")
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
-    ev = sums.summarize(sums.t, "")
-    cond = [ev[f"cond_acc_{i}"] for i in range(eval_depth)]
+    ev = sums.summarize(sums.t, "eval/")       # the keys of train's final_metrics
+    cond = [ev[f"eval/cond_acc_{i}"] for i in range(eval_depth)]
     out = {"overrides": overrides, "steps": step, "epochs": epoch, "train_s": train_s,
            "tokens_per_s": tokens / max(train_s, 1e-9), "vocab_from": column,
-           "acc": [ev[f"acc_{i}"] for i in range(eval_depth)], "cond_acc": cond,
-           "in_vocab": ev["in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
-           "eval_positions": ev["count_0"], "config": asdict(cfg)}
-    if drafter_dir:
-        out["drafter"] = save(drafter_dir, sweep_metrics=out)
+           "acc": [ev[f"eval/acc_{i}"] for i in range(eval_depth)], "cond_acc": cond,
+           "in_vocab": ev["eval/in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
+           "eval_positions": ev["eval/count_0"], "config": asdict(cfg)}
+    if drafter_dir:   # final_metrics as train writes them: serve's dynamic depth starts from them
+        out["drafter"] = save(drafter_dir, sweep_metrics=out,
+                              final_metrics={"step": step, "train_s": train_s, **ev})
     if served_prompts:
         from eagle3_ray import quality
         out["served"] = quality.served_acceptance(drafter_dir, served_prompts, served_tokens)

@@ -324,7 +324,7 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
     each arm's drafter is kept and decodes a held-out prompt through the real decoder. An arm
     may train on its own dataset. snapshots: the drafter as it was after that many minutes is
     kept beside it (none for a time past the arm's budget)."""
-    from eagle3_ray import checkpoint, sweep
+    from eagle3_ray import checkpoint, planner, sweep
     own = tmp_path / "own_data"
     shutil.copytree(dataset, own)
     base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,
@@ -342,6 +342,9 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
         assert run["drafter"] == str(tmp_path / "sweep" / name / "drafter")
         _, _, meta = checkpoint.load_drafter(run["drafter"])
         assert meta["steps"] == run["steps"] and meta["verifier"] == tiny_verifier
+        # self-describing as a train drafter: the prior of serve's dynamic depth reads it
+        cond, known, where = planner.acceptance_from(run["drafter"])
+        assert cond == run["cond_acc"] and known == 2 and "final_metrics (eval)" in where
         assert meta["dataset"] == run["dataset"] == (f"{dataset},{own}" if name == "hard"
                                                      else dataset)
         _, _, snap = checkpoint.load_drafter(str(tmp_path / "sweep" / name / "drafter-0.02min"))
