@@ -26,6 +26,14 @@ _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "dtype", "torch_dtype",
                          "quantization_config", "architectures", "use_cache", "_commit_hash"}
 
+# $EAGLE3_RAY_ONEDNN=0 turns torch's oneDNN (mkldnn) paths off, as on a CPU whose oneDNN has no
+# bf16 kernels (AVX2-only, no AVX512): torch's bf16 matmuls then take ATen's own GEMM, and this
+# module's bf16 linears and attention their non-oneDNN paths (_packable_dtypes), as there. fp32
+# is unchanged: its matmuls go to MKL either way and the packed fp32 linears call oneDNN
+# directly, as on such a host. Part of the AVX2-only emulation (docs/benchmarks.md).
+if os.environ.get("EAGLE3_RAY_ONEDNN") == "0":
+    torch.backends.mkldnn.enabled = False
+
 
 def resolve(spec: str) -> tuple[str, str | None]:
     """spec -> (directory, gguf file name or None)."""
@@ -378,15 +386,21 @@ _ONEDNN_MAX_ROWS = 32
 _SMALL_WEIGHT = 1 << 16
 
 
-@functools.lru_cache(maxsize=None)
 def _packable_dtypes() -> tuple:
-    """Weight dtypes oneDNN runs from packed weights on this CPU: fp32, and bf16 where oneDNN
-    has bf16 kernels (probed once; none without oneDNN)."""
+    """Weight dtypes oneDNN runs from packed weights on this CPU: fp32, and bf16 where torch's
+    own bf16 matmuls go to oneDNN (it has bf16 kernels here and torch.backends.mkldnn is on);
+    none without oneDNN. Probed once per setting of the switch."""
+    return _probe_packable(torch.backends.mkldnn.enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_packable(mkldnn_enabled: bool) -> tuple:
     ok = []
     for dtype in (torch.float32, torch.bfloat16):
         try:
             if not torch.backends.mkldnn.is_available() or (
-                    dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                    dtype == torch.bfloat16 and not (
+                        mkldnn_enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype))
             torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2, dtype=dtype), packed, None, "none",
