@@ -469,6 +469,13 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
         trees.update({f"tree{k}x{d}+lookup": (int(k), d, branch) for k in branches if int(k) > 1})
     if lookup_branches and dynamic:
         trees["dynamic-branch-lookup"] = (1, "dynamic", branch)
+    refused = {}                          # arms this host cannot run exactly, and why
+    if trees and not dec.exact["tree"]:
+        refused = {"arms": sorted(trees), "why": dec.inexact_reason("tree")}
+        print(f"[bench serve] tree arms {refused['arms']} left out: {refused['why']}")
+        trees = {}
+    if not dec.exact["chain"]:            # measured all the same: identical_to_depth0 tells
+        print(f"[bench serve] warning: {dec.inexact_reason('chain')}")
     lookups = {f"lookup{d}": int(d) for d in lookup_depths if int(d) > 0}
     look = speculate.LookupParams()                       # serve's default fallback
     if lookups and dynamic:
@@ -574,6 +581,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
               "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
               "dtype": str(model.dtype).replace("torch.", ""),
               "few_row_kernels": {str(k): v for k, v in dec.few_row_kernels.items()},
+              "exact": dec.exact, "refused_arms": refused,
               "simulated_interconnect": simulate,
               "runs": result_runs, "best_depth": best["depth"], "best_speedup": best["speedup"],
               "all_identical": all(r["identical_to_depth0"] for r in result_runs.values()),
@@ -779,7 +787,8 @@ def cpu_facts() -> dict:
             "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "native_bf16": verifier.native_bf16(),
-            "env": {k: os.environ[k] for k in ("EAGLE3_RAY_NATIVE_BF16", "ATEN_CPU_CAPABILITY",
+            "env": {k: os.environ[k] for k in ("EAGLE3_RAY_NATIVE_BF16", "EAGLE3_RAY_ONEDNN",
+                                               "ATEN_CPU_CAPABILITY",
                                                "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
                                                "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                "OMP_NUM_THREADS")

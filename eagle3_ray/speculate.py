@@ -41,6 +41,8 @@ unroll trains (ttt.py: step-0 keys causally, plus the drafter's own steps at one
 from __future__ import annotations
 
 import argparse
+import functools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -50,6 +52,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3_ray import verifier as verifier_lib
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -223,6 +227,73 @@ class Speculator:
                 layer_ids or drafter.config.aux_layer_ids
                 or verifier_lib.default_aux_layer_ids(n_layers), n_layers,
                 where="layer_ids" if layer_ids else "drafter.config.aux_layer_ids")
+        self.batch_invariant = batch_invariant
+        self.exact = self.check_exact()            # {"chain": bool, "tree": bool}, this host
+        for path, ok in self.exact.items():
+            if not ok:
+                log.warning(self.inexact_reason(path))
+
+    # --- exactness on this host ----------------------------------------------------------------
+
+    EXACT_CACHED = (29, 58)               # cache lengths check_exact verifies after: the keys
+                                          # of its verifies cross a 32-key block (AMX) or not
+    EXACT_PATHS = [[0, 1, 2, 3], [0, 4, 5], [0, 6]]   # check_exact's tree: 3 paths, 2 padded
+
+    @torch.inference_mode()
+    def check_exact(self, seed: int = 0) -> dict[str, bool]:
+        """Whether, on this host's kernels, the verifier computes what decoding does: "chain", a
+        4-token verify against 4 one-token forwards; "tree", each path of a 3-path tree verify
+        (EXACT_PATHS) against that path verified as a chain. Random tokens after a random cache
+        of each length in EXACT_CACHED. Bit for bit when batch invariant (bf16: what greedy
+        equality needs), else to 1e-3 (fp32 rounds differently per token count anyway, ~1e-6).
+        Costs ~20 verifier forwards, once per Speculator. Kernels, not host kinds, decide: a
+        bf16 tree verify was not exact on AVX2-only CPUs until verifier._tree_attention's
+        token-at-a-time path stopped attending to its padding (issue 48)."""
+        comm, self.simulated_comm = self.simulated_comm, None    # no simulated node here
+        try:
+            return self._check_exact(seed)
+        finally:
+            self.simulated_comm = comm
+
+    def _check_exact(self, seed: int) -> dict[str, bool]:
+        g = torch.Generator().manual_seed(seed)
+        same = torch.equal if self.batch_invariant else functools.partial(
+            torch.allclose, rtol=1e-3, atol=1e-3)
+        width = max(map(len, self.EXACT_PATHS))
+        ok = {"chain": True, "tree": True}
+        for cached in self.EXACT_CACHED:
+            ids = torch.randint(self.model.config.vocab_size, (cached + 7,), generator=g).tolist()
+            new, cache = ids[cached:], DynamicCache()
+            self._verify(ids[:cached], cache, last_only=True)
+
+            def verify(tokens, **kw):              # after the same `cached` keys each time
+                out = self._verify(tokens, cache, **kw)[0]
+                cache.crop(cached - cache.get_seq_length())
+                return out
+
+            steps = []
+            for t in new[:width]:                  # decoding: one token per forward
+                steps.append(self._verify([t], cache)[0])
+            cache.crop(cached - cache.get_seq_length())
+            ok["chain"] &= same(verify(new[:width]), torch.cat(steps))          # [4, V]
+            tree = verify(new, tree_paths=self.EXACT_PATHS)                      # [7, V]
+            for p in self.EXACT_PATHS:
+                ok["tree"] &= same(tree[p], verify([new[i] for i in p]))
+        return ok
+
+    def inexact_reason(self, path: str) -> str:
+        """Why check_exact's `path` ("chain" or "tree") is not exact here, and what to do."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        what, other, instead = {
+            "chain": ("a verify of several tokens", "those tokens decoded one at a time",
+                      "serve at depth 0"),
+            "tree": ("a tree verify", "its paths verified as chains",
+                     "use chains (branches 1, no lookup branch)")}[path]
+        if self.batch_invariant and self.device.type == "cpu":
+            instead += ", or run the verifier in fp32 (EAGLE3_RAY_NATIVE_BF16=0)"
+        return (f"on this host's kernels {what} of the {dtype} verifier does not compute what "
+                f"{other} do (Speculator.check_exact, on random tokens at start-up), so greedy "
+                f"output could differ from the verifier's: {instead}")
 
     # --- the two models ----------------------------------------------------------------------
 
@@ -358,6 +429,8 @@ class Speculator:
         if tree and sp.temperature != 0:
             raise ValueError("branches > 1 and the lookup branch need greedy decoding "
                              "(temperature 0)")
+        if tree and not self.exact["tree"]:
+            raise ValueError(self.inexact_reason("tree"))
         if not prompt:
             raise ValueError("empty prompt")
         if sp.max_tokens <= 0:

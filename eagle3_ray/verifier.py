@@ -105,8 +105,8 @@ def load_config(spec: str):
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 runs ~3x
     faster than fp32 and a verifier forward costs almost the same for 1 or 17 tokens.
-    $EAGLE3_RAY_NATIVE_BF16=0/1 overrides the detection: 0 with ATEN_CPU_CAPABILITY=avx2
-    MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 emulates an AVX2-only host."""
+    $EAGLE3_RAY_NATIVE_BF16=0/1 overrides the detection (0 is part of the AVX2-only emulation,
+    scripts/emulate_avx2.sh)."""
     forced = os.environ.get("EAGLE3_RAY_NATIVE_BF16")
     if forced in ("0", "1"):
         return forced == "1"
@@ -306,7 +306,8 @@ def _pad_keys(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     """A tree verify's index tensors, made once per forward: the q new tokens (after `cached`
     cached ones) form a tree given by its root-to-leaf paths (indices into the new tokens,
-    root first). index [P, L]: each path padded to the longest with its last token; keys
+    root first). lengths: each path's. index [P, L]: each path padded to the longest with its
+    last token; keys
     [P, cached + L]: the key positions each path attends over, the cached ones then its own in
     path order (the keys of decoding that path token by token); first [q]: where each token
     first occurs in index.flatten(); offsets [q]: each token's index in its path (its position
@@ -325,7 +326,7 @@ def tree_layout(paths: list[list[int]], cached: int, device=None) -> dict:
     hidden = (torch.arange(gather.shape[1], device=device)
               > cached + torch.arange(width, device=device)[:, None])              # [L, K']
     return {"index": index, "keys": keys, "first": first, "offsets": first % width,
-            "gather": gather, "hidden": hidden}
+            "gather": gather, "hidden": hidden, "lengths": [len(p) for p in paths]}
 
 
 def _tree_attention(module, query, key, value, scaling, tree: dict):
@@ -343,10 +344,11 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
     scale = scaling if scaling is not None else d ** -0.5
     if query.is_cpu and query.dtype not in _packable_dtypes():            # a token at a time
         out = query.new_empty(1, q, nh, d)
-        for p in range(n_paths):
-            out[:, index[p]] = batch_invariant_attention(
-                module, query[:, :, index[p]], key[:, :, keys[p]], value[:, :, keys[p]], None,
-                scale)[0]
+        cached = keys.shape[1] - width
+        for p, n in enumerate(tree["lengths"]):   # the path's own tokens, not its padding: a
+            idx, seen = index[p, :n], keys[p, :cached + n]   # padded copy would see itself twice
+            out[:, idx] = batch_invariant_attention(
+                module, query[:, :, idx], key[:, :, seen], value[:, :, seen], None, scale)[0]
         return out, None
     g = nh // nkv
     qp = query[0][:, index].reshape(nkv, g, n_paths, width, d)            # [nkv, g, P, L, D]

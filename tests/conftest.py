@@ -102,3 +102,41 @@ def ray_cluster():
              object_store_memory=300 * 2**20)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(params=["onednn", "aten"])
+def gemm_path(request):
+    """Both CPU GEMM paths of bf16 on any host: "onednn", torch as it runs here (oneDNN's bf16
+    kernels where the CPU has them), and "aten", torch.backends.mkldnn off: ATen's own GEMM and
+    this package's non-oneDNN paths, what an AVX2-only CPU runs (EAGLE3_RAY_ONEDNN=0 in a
+    process). On an AVX2-only CPU both are that path."""
+    with torch.backends.mkldnn.flags(enabled=request.param == "onednn"):
+        yield request.param
+
+
+@pytest.fixture
+def make_inexact(monkeypatch):
+    """make_inexact(path): a MOCK of kernels that round differently (no such CPU here since
+    issue 48's fix): from then on a tree verify ("tree") or a verify of several tokens after a
+    cache ("chain") adds 0.01 to its attention output, so it no longer computes what its chains
+    / decoding do. Patches the module attributes a Speculator registers with transformers, so it
+    applies to Speculators built afterwards; the real ones are registered again at teardown."""
+    from transformers import AttentionInterface
+    from eagle3_ray import verifier
+
+    def make(path: str) -> None:
+        if path == "tree":
+            real_tree = verifier._tree_attention
+            monkeypatch.setattr(verifier, "_tree_attention",
+                                lambda *a: (real_tree(*a)[0] + 0.01, None))
+            return
+        for name in ("batch_invariant_attention", "tree_attention"):   # bf16 / fp32 verifiers
+            def attention(module, query, key, *a, real=getattr(verifier, name), tree=None, **kw):
+                out, w = real(module, query, key, *a, tree=tree, **kw)
+                several = tree is None and 1 < query.shape[2] < key.shape[2]
+                return (out + 0.01 if several else out), w
+            monkeypatch.setattr(verifier, name, attention)
+    yield make
+    monkeypatch.undo()
+    AttentionInterface.register(verifier.INVARIANT_ATTENTION, verifier.batch_invariant_attention)
+    AttentionInterface.register(verifier.TREE_ATTENTION, verifier.tree_attention)

@@ -108,3 +108,19 @@ def test_bench_serve_flags():
         ["serve", "--lookup-branches", "4"]).lookup_branches == [4]
     with pytest.raises(ValueError, match="need 0"):
         bench.bench_serve("unused", depths=(1, 2))
+
+
+def test_bench_serve_leaves_out_tree_arms_its_host_cannot_run_exactly(
+        fp32, tiny_verifier, drafter_dir, tmp_path, capsys, one_thread, make_inexact):
+    """Where the start-up check finds a tree verify inexact (a MOCK of such kernels: none here),
+    bench serve runs the chain arms and records the tree arms it left out and why."""
+    make_inexact("tree")
+    r = bench.bench_serve(drafter_dir, depths=(0, 3), prompts=1, max_tokens=6,
+                          out_dir=str(tmp_path / "bench"), spec=tiny_verifier, dynamic=False,
+                          peers=False, branches=(2,), lookup_depths=(), lookup_branches=(3,))
+    assert r["exact"] == {"chain": True, "tree": False} and r["all_identical"]
+    assert set(r["runs"]) == {"0", "3"}
+    assert r["refused_arms"]["arms"] == ["branch-lookup3", "tree2x3", "tree2x3+lookup"]
+    assert "use chains" in r["refused_arms"]["why"]
+    assert "tree arms ['branch-lookup3', 'tree2x3', 'tree2x3+lookup'] left out" in \
+        capsys.readouterr().out

@@ -177,11 +177,14 @@ def test_bf16_attention_rows_do_not_depend_on_the_keys_or_tokens_carried():
     assert not bad, bad[:10]
 
 
-def test_bf16_tree_paths_attend_as_their_chains():
+def test_bf16_tree_paths_attend_as_their_chains(gemm_path):
     """verifier._tree_attention in bf16 with SmolLM2's heads: every path of a tree verify
     computes bit for bit what batch_invariant_attention does for that path verified as a chain,
-    for every cache length 2..140. On an AMX CPU the gathered keys must be padded to 32-key
-    blocks for that (without: 11 of 220 SmolLM2 tree paths differed from their chains)."""
+    for every cache length 2..140, on both GEMM paths. On an AMX CPU the gathered keys must be
+    padded to 32-key blocks for that (without: 11 of 220 SmolLM2 tree paths differed from their
+    chains). Without oneDNN's bf16 (an AVX2-only CPU) each path attends a token at a time; the
+    shorter paths once attended to their padding there too (issue 48: [0, 4, 5] and [0, 6]
+    differed at every cache length)."""
     from eagle3_ray import verifier
     torch.manual_seed(0)
     paths, bad = [[0, 1, 2, 3], [0, 4, 5], [0, 6]], []
@@ -446,14 +449,20 @@ class SecondChoiceOracle(OracleDrafter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype):
+def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype, gemm_path):
     """branches > 1: the chains forked at the first draft are verified in one forward whose
     every path computes what that chain alone would (bit for bit in bf16), the longest accepted
-    chain wins and the KV cache keeps only its tokens, so greedy output stays the verifier's."""
+    chain wins and the KV cache keeps only its tokens, so greedy output stays the verifier's.
+    Asserted where the Speculator's start-up check finds trees exact on this host's kernels
+    (both GEMM paths, every host seen so far); where it does not, that trees are refused."""
     from transformers import DynamicCache
     model, drafter = tiny_pair(vocab=500, draft_vocab=300)
     model = model.to(dtype)
     spec = Speculator(model, drafter)
+    if not spec.exact["tree"]:
+        with pytest.raises(ValueError, match="tree verify .* use chains"):
+            run(spec, list(range(10, 30)), SamplingParams(max_tokens=8), 3, branches=2)
+        return
     context, chains = list(range(10, 30)), [[5, 6, 7], [8, 9], [11, 12, 13, 14]]
     ids, paths = [3], []
     for c in chains:
@@ -524,3 +533,29 @@ def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype):
     assert len(rounds) == 1 + math.ceil(39 / 5)
     with pytest.raises(ValueError, match="greedy"):
         next(spec.generate(prompt, SamplingParams(temperature=0.7), 4, branches=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_start_up_check_finds_inexact_kernels_and_trees_are_refused(dtype, make_inexact):
+    """Speculator.check_exact verifies random tokens at start-up, on this host's kernels: a
+    tree against its chains and a chain against decoding. With kernels that round a tree verify
+    differently (a MOCK: none here), trees are refused with the reason and what to use instead,
+    the lookup branch too, while chains stay exact; with a multi-token verify that rounds
+    differently, the check says so."""
+    model, drafter = tiny_pair(vocab=500)
+    model = model.to(dtype)
+    prompt, sp = list(range(10, 30)), SamplingParams(max_tokens=16)
+    assert Speculator(model, drafter).exact == {"chain": True, "tree": True}
+    base, _ = run(Speculator(model, drafter), prompt, sp, 0)
+    make_inexact("tree")
+    spec = Speculator(model, drafter)
+    assert spec.exact == {"chain": True, "tree": False}
+    for branches, lookup in ((2, None), (1, speculate.LookupParams(branch=True))):
+        with pytest.raises(ValueError, match="a tree verify .* does not compute what its paths "
+                                             "verified as chains do .* use chains"):
+            run(spec, prompt, sp, 3, branches=branches, lookup=lookup)
+    assert run(spec, prompt, sp, 3)[0] == base
+    make_inexact("chain")
+    spec = Speculator(model, drafter)
+    assert spec.exact["chain"] is False
+    assert "serve at depth 0" in spec.inexact_reason("chain")
