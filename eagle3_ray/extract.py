@@ -40,6 +40,7 @@ SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("to
 NODE_RESOURCE_SLIVER = 0.001
 STATS_NAMESPACE = "eagle3_ray"  # Ray namespace of the online StatsActor (online.py)
 TOKENIZE_CPUS = 0.5             # Ray CPUs of a Tokenize actor
+GPU_REPLICA_CPUS = 0.25         # Ray CPUs of a GPU verifier replica (its GPUs do the work)
 
 
 @dataclass
@@ -55,7 +56,9 @@ class ExtractConfig:
     replicas: int = 1                    # verifier replicas = extractor actors
     gpus_per_replica: int = 0            # 0 = CPU; >1 shards one replica over that many GPUs
     max_gpu_memory: str | None = None    # per-GPU cap for the device map, e.g. "70GiB"
-    cpus_per_replica: float = 1.0        # Ray CPUs per CPU-only replica (GPU replicas take 0.25)
+    cpus_per_replica: float | None = None  # Ray CPUs per CPU-only replica (GPU replicas take
+                                         # 0.25); None: 1, or what fits a local Ray's machine
+                                         # beside the tokenizer actors (launch.fit_cpus)
     node_resource: str | None = None     # custom resource of the node type to run replicas on
                                          # (e.g. extract_node, cluster/); a sliver is requested
     torch_threads: int = 0               # CPU replicas: torch threads; 0 = cores // replicas
@@ -111,6 +114,25 @@ def micro_batch_tokens(cfg: ExtractConfig) -> int:
     CPU, where [16, 512] costs ~6% more per token than [4, 512] or [1, 512] (its activations
     leave the cache; measured on SmolLM2, bf16 AVX512-BF16 and fp32 AVX2, docs/benchmarks.md)."""
     return cfg.token_budget or (16384 if cfg.gpus_per_replica else 2048)
+
+
+def pipeline_cpus(cfg: ExtractConfig) -> float:
+    """Ray CPUs of the pipeline's actors other than CPU-only verifier replicas: tokenizer
+    actors, and GPU replicas' 0.25 each."""
+    return ((0.0 if tokenizes_in_extractor(cfg) else TOKENIZE_CPUS * cfg.tokenizer_actors)
+            + (GPU_REPLICA_CPUS * cfg.replicas if gpu_replicas(cfg) else 0.0))
+
+
+def fit_cpus(cfg: ExtractConfig) -> ExtractConfig:
+    """cfg with its CPUs per CPU-only replica decided (launch.fit_cpus)."""
+    from eagle3_ray import launch
+    fit = launch.fit_cpus(pipeline_cpus(cfg),
+                          replica=(cfg.cpus_per_replica, 0 if gpu_replicas(cfg) else cfg.replicas))
+    return replace(cfg, cpus_per_replica=fit["replica"])
+
+
+def gpu_replicas(cfg: ExtractConfig) -> bool:
+    return cfg.gpus_per_replica > 0
 
 
 def tokenizes_in_extractor(cfg: ExtractConfig) -> bool:
@@ -494,6 +516,7 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
     cfg = replace(cfg, output=schema.absolute(cfg.output),
                   verifier=verifier.absolute_spec(cfg.verifier))
     init_ray(address)
+    cfg = fit_cpus(cfg)
     t0 = time.perf_counter()
     tok, config = verifier.load_tokenizer(cfg.verifier), verifier.load_config(cfg.verifier)
     facts = dataset_facts(cfg, config, tok)
@@ -555,12 +578,12 @@ def extraction_stages(ds, cfg: ExtractConfig, facts: dict):
     import ray
     if not tokenizes_in_extractor(cfg):
         ds = tokenize_stage(ds, cfg)
-    gpu = cfg.gpus_per_replica > 0
+    gpu = gpu_replicas(cfg)
     return ds.map_batches(
         VerifierExtractor, fn_constructor_args=(cfg, facts), batch_size=cfg.batch_rows,
         batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.replicas),
         num_gpus=cfg.gpus_per_replica if gpu else None,
-        num_cpus=0.25 if gpu else cfg.cpus_per_replica,
+        num_cpus=GPU_REPLICA_CPUS if gpu else cfg.cpus_per_replica,
         resources={cfg.node_resource: NODE_RESOURCE_SLIVER} if cfg.node_resource else None,
         runtime_env=replica_runtime_env(cfg))
 

@@ -12,10 +12,13 @@ import traceback
 
 # Errors caused by the user's input: print one clear line, no traceback.
 USER_ERRORS = (FileNotFoundError, ValueError, PermissionError)
+_LOCAL_RAY = False      # init_ray started the Ray this process uses: this machine is the cluster
+MIN_CPUS = 0.1          # the least Ray CPUs fit_cpus gives a worker or replica
 
 
 def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Connect to `address` / $RAY_ADDRESS (set by `ray job submit`), else start a local Ray."""
+    global _LOCAL_RAY
     import ray
     if ray.is_initialized():
         return
@@ -25,6 +28,26 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> None:
     else:  # "local" ignores a stale /tmp/ray/ray_current_cluster
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  runtime_env={"worker_process_setup_hook": "eagle3_ray.launch.quiet_workers"})
+        _LOCAL_RAY = True
+
+
+def fit_cpus(reserved: float = 0.0, **groups: tuple[float | None, int]) -> dict[str, float]:
+    """Ray CPUs per member of each group, {name: (CPUs each, or None for the default; members)}
+    -> {name: CPUs each}. A given value stands: explicit flags win. A default one is 1, except
+    on a local Ray that init_ray started (this machine is the whole cluster) where 1 each would
+    not fit: there the CPUs left after `reserved` (the pipeline's read and tokenizer tasks) and
+    the given groups are shared equally by the default groups' members (2 cores, one training
+    worker and one verifier replica beside the online pipeline's 0.75: 0.62 each), at least
+    MIN_CPUS. On a cluster the autoscaler brings the CPUs a plan asks for: 1 each."""
+    out = {k: v for k, (v, _) in groups.items() if v is not None}
+    open_members = sum(n for k, (v, n) in groups.items() if v is None)
+    share = 1.0
+    if _LOCAL_RAY and open_members:
+        import ray
+        left = ray.cluster_resources().get("CPU", 0) - reserved - sum(
+            v * n for v, n in groups.values() if v is not None)
+        share = min(1.0, max(MIN_CPUS, int(100 * left / open_members) / 100))
+    return {**{k: share for k, (v, _) in groups.items() if v is None}, **out}
 
 
 def quiet_workers() -> None:

@@ -209,6 +209,18 @@ def check_source(output: str, facts: dict, ecfg: extract.ExtractConfig) -> None:
          "skip": ecfg.sample_offset}, indent=2).encode())
 
 
+def fit_cpus(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig):
+    """Both configs with the CPUs per training worker and per verifier replica decided: the
+    flags given, else 1, or on a local Ray the machine shared between them (launch.fit_cpus)."""
+    from eagle3_ray import launch
+    fit = launch.fit_cpus(
+        extract.pipeline_cpus(ecfg) + READ_CPUS,
+        worker=(tcfg.cpus_per_worker, 0 if tcfg.use_gpu else tcfg.num_workers),
+        replica=(ecfg.cpus_per_replica, 0 if extract.gpu_replicas(ecfg) else ecfg.replicas))
+    return (replace(tcfg, cpus_per_worker=fit["worker"]),
+            replace(ecfg, cpus_per_replica=fit["replica"]))
+
+
 def check_resources(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig) -> None:
     """Online runs verifier replicas and training workers at once: refuse a plan the cluster
     cannot hold (it would wait forever) with the numbers to change."""
@@ -223,9 +235,9 @@ def check_resources(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig) -> Non
                              f"workers + {ecfg.replicas} replicas x {ecfg.gpus_per_replica}); "
                              f"the cluster has {have.get('GPU', 0):g}")
     cpus = (0 if tcfg.use_gpu else tcfg.num_workers * tcfg.cpus_per_worker) \
-        + (0.25 * ecfg.replicas if ecfg.gpus_per_replica else ecfg.replicas * ecfg.cpus_per_replica) \
-        + extract.TOKENIZE_CPUS * ecfg.tokenizer_actors + READ_CPUS
-    if cpus > have.get("CPU", 0):
+        + (0 if extract.gpu_replicas(ecfg) else ecfg.replicas * ecfg.cpus_per_replica) \
+        + extract.pipeline_cpus(ecfg) + READ_CPUS
+    if cpus > have.get("CPU", 0) + 1e-9:
         raise ValueError(
             f"online training needs {cpus:g} CPUs at once (training workers {tcfg.num_workers} x "
             f"{tcfg.cpus_per_worker:g}, verifier replicas {ecfg.replicas} x "
@@ -280,6 +292,7 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
             print(f"[online] {cache} holds the first epoch: training from it")
             return train.run_train(tcfg, address)
     init_ray(address)
+    tcfg, ecfg = fit_cpus(tcfg, ecfg)
     check_resources(tcfg, ecfg)
     stats = _make_stats_actor(ecfg.stats_actor)
     stats.reset.remote()  # a rerun in the same Ray session finds the actor of the last run

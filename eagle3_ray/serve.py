@@ -77,7 +77,8 @@ class ServeConfig:
                                           # time is added to every verify (planner.comm_s)
     engine: str = "builtin"               # builtin (transformers + speculate.py) | vllm
     gpus_per_replica: float = 0           # GPUs per replica; the verifier is sharded over them
-    cpus_per_replica: float = 1.0
+    cpus_per_replica: float | None = None  # Ray CPUs per replica; None: 1, or what fits a local
+                                          # Ray's machine (launch.fit_cpus)
     node_resource: str | None = None      # custom resource of the node type to pin to (pcie_node)
     num_replicas: int = 1
     autoscaling: dict | None = None       # Serve autoscaling_config; overrides num_replicas
@@ -167,9 +168,10 @@ LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 class Metrics:
     """This replica's counters, rendered as Prometheus text."""
 
-    def __init__(self, kernels: dict[int, str] | None = None):
+    def __init__(self, kernels: dict[int, str] | None = None, exact: dict | None = None):
         self.lock = threading.Lock()
         self.kernels = dict(kernels or {})                  # fp32 rows -> kernel timed at start
+        self.exact = dict(exact or {})                      # Speculator.exact: path -> bool
         self.requests: dict[tuple[str, str], int] = {}      # (endpoint, status) -> count
         self.c = dict(prompt_tokens=0, generation_tokens=0, rounds=0, drafted_tokens=0,
                       accepted_tokens=0, lookup_rounds=0)
@@ -226,6 +228,11 @@ class Metrics:
                           f"a linear of that many rows", f"# TYPE {p}fp32_kernel_info gauge"]
                 lines += [f'{p}fp32_kernel_info{{rows="{k}",kernel="{v}"}} 1'
                           for k, v in sorted(self.kernels.items())]
+            if self.exact:                                 # Speculator.check_exact
+                lines += [f"# HELP {p}exact_info 1: that verify computes what decoding does on "
+                          f"this replica's kernels (checked at start)",
+                          f"# TYPE {p}exact_info gauge"]
+                lines += [f'{p}exact_info{{path="{k}"}} {int(v)}' for k, v in self.exact.items()]
             lines += [f"# TYPE {p}request_latency_seconds histogram"]
             total = 0
             for b, n in zip(list(LATENCY_BUCKETS) + ["+Inf"], self.latency):
@@ -274,7 +281,7 @@ class Engine:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         if cfg.torch_threads or not cfg.gpus_per_replica:
-            torch.set_num_threads(cfg.torch_threads or max(1, int(cfg.cpus_per_replica)))
+            torch.set_num_threads(cfg.torch_threads or max(1, int(cfg.cpus_per_replica or 1)))
         vcfg = verifier_lib.load_config(cfg.verifier)
         self.ttt_steps = None
         if cfg.drafter:
@@ -296,8 +303,20 @@ class Engine:
         if self.spec.few_row_kernels:
             log.info(f"fp32 kernels by rows, timed here: {self.spec.few_row_kernels}")
         self.lookup = speculate.LookupParams() if cfg.lookup and drafter is not None else None
-        self.lookup_greedy = (speculate.LookupParams(branch=True) if self.lookup and
-                              cfg.lookup_branch else self.lookup)     # trees: greedy only
+        self.branches, tree = cfg.branches, cfg.branches > 1 or bool(self.lookup and
+                                                                      cfg.lookup_branch)
+        self.fallbacks = []                # what this replica serves instead, and why
+        if tree and not self.spec.exact["tree"]:
+            self.branches, tree = 1, False
+            self.fallbacks.append("chains instead of trees (branches 1, no lookup branch): "
+                                  + self.spec.inexact_reason("tree"))
+        if drafter is not None and not self.spec.exact["chain"]:
+            self.fallbacks.append("depth 0 for every request: "
+                                  + self.spec.inexact_reason("chain"))
+        for f in self.fallbacks:
+            log.warning(f"this replica serves {f}")
+        self.lookup_greedy = (speculate.LookupParams(branch=True) if tree and cfg.lookup_branch
+                              else self.lookup)                  # trees: greedy only
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         self.depth_profile, self.prior = depth_planning(cfg, self.spec)
@@ -375,6 +394,8 @@ class Engine:
                 raise ApiError(400, f"speculation_depth must be in [0, "
                                     f"{self.cfg.max_depth if self.spec.drafter else 0}], got "
                                     f"{depth}", "speculation_depth")
+        if not self.spec.exact["chain"]:
+            depth = 0                      # a verify of several tokens is not exact here
         sp = speculate.SamplingParams(
             max_tokens=max_tokens or min(room, self.cfg.default_max_tokens),
             temperature=req.temperature, top_p=req.top_p, seed=req.seed, eos_ids=self.eos_ids)
@@ -422,7 +443,7 @@ class _Job:
                  warning, include_usage):
         self.server, self.prompt, self.depth, self.endpoint = server, prompt, depth, endpoint
         self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
-        branches = server.engine.cfg.branches if sp.temperature == 0 else 1   # trees: greedy
+        branches = server.engine.branches if sp.temperature == 0 else 1       # trees: greedy
         lookup = server.engine.lookup_greedy if sp.temperature == 0 else server.engine.lookup
         self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate, branches,
                                                lookup)
@@ -527,7 +548,7 @@ class SpeculativeServer:
         # from loading, plus the decode thread's) outnumbers 2 cores, which cuts its spin-wait
         # to ~nothing: plain decoding ran x1.65 slower (docs/benchmarks.md#openmp-wait-policy).
         self.engine = self.pool.submit(Engine, self.cfg).result()
-        self.metrics = Metrics(self.engine.spec.few_row_kernels)
+        self.metrics = Metrics(self.engine.spec.few_row_kernels, self.engine.spec.exact)
 
     def _auth(self, request: Request) -> None:
         key = self.cfg.api_key
@@ -537,7 +558,8 @@ class SpeculativeServer:
 
     @api.get("/health")
     async def health(self):
-        return {"status": "ok"}
+        return {"status": "ok", "exact": self.engine.spec.exact,
+                "fallbacks": self.engine.fallbacks}
 
     @api.get("/metrics")
     async def prometheus(self):
@@ -601,6 +623,7 @@ class SpeculativeServer:
 
 def build_app(cfg: ServeConfig):
     """The Serve application for `cfg` (checks the drafter against the verifier first)."""
+    cfg = fit_cpus(cfg)
     if cfg.engine == "vllm":
         from eagle3_ray.serve_vllm import build_vllm_app
         return build_vllm_app(cfg)
@@ -611,6 +634,16 @@ def build_app(cfg: ServeConfig):
         vcfg = verifier_lib.load_config(cfg.verifier)      # fail here, not in a replica
         checkpoint.check_drafter(cfg.drafter, vcfg, cfg.verifier)
     return SpeculativeServer.options(**deployment_options(cfg)).bind(asdict(cfg))
+
+
+def fit_cpus(cfg: ServeConfig) -> ServeConfig:
+    """cfg with its CPUs per replica decided (launch.fit_cpus; autoscaling: its max_replicas)."""
+    from dataclasses import replace
+    from eagle3_ray import launch
+    replicas = (cfg.autoscaling or {}).get("max_replicas", 1) if cfg.autoscaling \
+        else cfg.num_replicas
+    return replace(cfg, cpus_per_replica=launch.fit_cpus(
+        replica=(cfg.cpus_per_replica, replicas))["replica"])
 
 
 def deployment_options(cfg: ServeConfig) -> dict:
@@ -647,7 +680,13 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "eagle3") ->
     serve.start(http_options={"host": cfg.host, "port": cfg.port,
                               "request_timeout_s": cfg.request_timeout_s})
     serve.run(build_app(cfg), name=name, route_prefix="/")
-    return f"http://{cfg.host}:{cfg.port}"
+    url = f"http://{cfg.host}:{cfg.port}"
+    if cfg.engine == "builtin":            # what a replica serves instead of the config, and why
+        import requests
+        probe = url.replace("://0.0.0.0:", "://127.0.0.1:")
+        for f in requests.get(f"{probe}/health", timeout=60).json().get("fallbacks", []):
+            print(f"[serve] warning: the replica serves {f}", flush=True)
+    return url
 
 
 def run_serve(cfg: ServeConfig, address: str | None = None) -> None:

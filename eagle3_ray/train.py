@@ -121,7 +121,8 @@ class TrainConfig:
                                           # state sharded over the workers)
     precision: str = "auto"               # bf16 | fp32 | auto: bf16 autocast on GPU and on CPUs
                                           # with native bf16 matmul (AVX512-BF16/AMX), else fp32
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float | None = None  # Ray CPUs per CPU worker; None: 1, or what fits a
+                                          # local Ray's machine (launch.fit_cpus)
     node_resource: str | None = None      # custom resource of the node type to train on
                                           # (e.g. train_node, cluster/); a sliver per worker
     max_failures: int = 3                 # worker-group restarts (FailureConfig)
@@ -994,7 +995,14 @@ def run_train(cfg: TrainConfig, address: str | None = None):
                   verifier=verifier.absolute_spec(cfg.verifier))
     setup = prepare(cfg)
     init_ray(address)
-    return fit(cfg, {**setup, "read_parquet": True}, {})
+    return fit(fit_cpus(cfg), {**setup, "read_parquet": True}, {})
+
+
+def fit_cpus(cfg: TrainConfig) -> TrainConfig:
+    """cfg with its CPUs per worker decided (launch.fit_cpus)."""
+    from eagle3_ray import launch
+    fit = launch.fit_cpus(worker=(cfg.cpus_per_worker, 0 if cfg.use_gpu else cfg.num_workers))
+    return replace(cfg, cpus_per_worker=fit["worker"])
 
 
 TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"

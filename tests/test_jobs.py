@@ -125,6 +125,8 @@ def test_local_ray_quiets_the_placement_group_cleaner():
         "import logging, ray\n"
         "from eagle3_ray.launch import init_ray\n"
         "init_ray(None, 1)\n"
+        "from eagle3_ray import launch\n"
+        "assert launch._LOCAL_RAY\n"
         "@ray.remote\n"
         "def levels():\n"
         "    g = logging.getLogger\n"

@@ -6,6 +6,7 @@ consumed exactly once per epoch, a rerun resumes, and mismatches are refused up 
 import glob
 import json
 import os
+from dataclasses import replace
 
 import pyarrow as pa
 import pytest
@@ -157,3 +158,29 @@ def test_mismatches_are_refused_before_starting(ray_cluster, tiny_verifier, conv
     with pytest.raises(ValueError, match="CPUs at once"):
         online.run_online(tcfg(tiny_verifier, tmp_path / "run4", num_workers=2,
                                cpus_per_worker=1), e)
+
+
+def test_default_cpus_fit_a_local_ray_and_flags_win(ray_cluster, monkeypatch):
+    """On a Ray that init_ray started itself (this machine is the cluster; here the test
+    cluster's 2 CPUs, marked as such), CPUs per worker and replica left to their defaults
+    share what the machine has; given flags stand; on a cluster they are 1 each (the autoscaler
+    brings CPUs). Default `train --online --num-workers 1` on 2 cores asked for 2.25 before."""
+    from eagle3_ray import extract, launch, serve, train
+    t = TrainConfig(dataset="", output="x", num_workers=1)
+    e = ExtractConfig()
+    assert (t.cpus_per_worker, e.cpus_per_replica) == (None, None)       # the defaults: open
+    cluster_t, cluster_e = online.fit_cpus(t, e)
+    assert (cluster_t.cpus_per_worker, cluster_e.cpus_per_replica) == (1.0, 1.0)
+    monkeypatch.setattr(launch, "_LOCAL_RAY", True)
+    local_t, local_e = online.fit_cpus(t, e)
+    assert local_t.cpus_per_worker == local_e.cpus_per_replica == 0.87  # (2 - 0.25 read) / 2
+    online.check_resources(local_t, local_e)                             # fits: no error
+    with pytest.raises(ValueError, match="online training needs 2.25 CPUs"):
+        online.check_resources(cluster_t, cluster_e)
+    given_t, given_e = online.fit_cpus(t, ExtractConfig(cpus_per_replica=1.5))
+    assert (given_t.cpus_per_worker, given_e.cpus_per_replica) == (0.25, 1.5)   # flag wins
+    assert extract.fit_cpus(ExtractConfig(replicas=4)).cpus_per_replica == 0.5
+    assert train.fit_cpus(replace(t, num_workers=2)).cpus_per_worker == 1.0
+    assert train.fit_cpus(replace(t, num_workers=4)).cpus_per_worker == 0.5
+    assert serve.fit_cpus(serve.ServeConfig(num_replicas=3)).cpus_per_replica == 0.66
+    assert serve.fit_cpus(serve.ServeConfig(cpus_per_replica=2)).cpus_per_replica == 2

@@ -187,7 +187,9 @@ def test_api_key_models_health(server):
     assert requests.get(url + "/v1/models", timeout=30).status_code == 401
     m = requests.get(url + "/v1/models", headers=AUTH, timeout=30).json()
     assert m["data"][0]["id"] == MODEL and m["data"][0]["max_model_len"] == 256
-    assert requests.get(url + "/health", timeout=30).json() == {"status": "ok"}
+    health = requests.get(url + "/health", timeout=30).json()      # trees exact on every CPU
+    assert health == {"status": "ok", "exact": {"chain": True, "tree": True}, "fallbacks": []}
+    assert metrics(url)['eagle3_ray_exact_info{path="tree"}'] == 1
 
 
 def test_metrics_reflect_requests(server):
@@ -369,3 +371,31 @@ def test_engine_lookup_fallback_on_by_default_and_off(tiny_verifier, tmp_path, o
     assert cli.serve_config(p.parse_args(["--drafter", drafter, "--no-lookup"])).lookup is False
     assert cli.serve_config(p.parse_args(["--drafter", drafter])).lookup is True
     assert cli.serve_config(p.parse_args(["--drafter", drafter, "--lookup-branch"])).lookup_branch
+
+
+def test_engine_falls_back_to_what_is_exact_on_this_host(tiny_verifier, tmp_path, one_thread,
+                                                         make_inexact):
+    """A replica whose start-up check (Speculator.check_exact) finds a tree verify inexact on
+    its kernels (a MOCK of such kernels: none here) serves chains instead of --branches and
+    --lookup-branch, and one whose multi-token verify is inexact serves depth 0; each says why
+    in its log and /health (fallbacks), and greedy output stays the verifier's."""
+    from eagle3_ray import speculate
+    drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
+    cfg = ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL, depth=3,
+                      branches=2, lookup_branch=True, torch_threads=1)
+    req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "a b a b a b"}],
+                            temperature=0, max_tokens=12, speculation_depth=3)
+    make_inexact("tree")
+    eng = serve.Engine(cfg)
+    assert eng.branches == 1 and eng.lookup_greedy == speculate.LookupParams()   # no tree
+    assert len(eng.fallbacks) == 1 and eng.fallbacks[0].startswith("chains instead of trees")
+    prompt = eng.prompt_ids(req)
+    sp, depth, _ = eng.sampling(req, len(prompt))
+    plain = [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
+    rounds = list(eng.spec.generate(prompt, sp, depth, branches=eng.branches,
+                                    lookup=eng.lookup_greedy))
+    assert depth == 3 and [t for r in rounds for t in r.tokens] == plain
+    make_inexact("chain")
+    eng = serve.Engine(cfg)
+    assert eng.sampling(req, len(prompt))[1] == 0
+    assert any(f.startswith("depth 0 for every request") for f in eng.fallbacks)
