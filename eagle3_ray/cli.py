@@ -47,8 +47,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="start after the first N usable conversations (with --limit: a slice)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=int, default=0)
-    p.add_argument("--cpus-per-replica", type=float, default=1.0,
-                   help="Ray CPUs per CPU-only verifier replica")
+    p.add_argument("--cpus-per-replica", type=float,
+                   help="Ray CPUs per CPU-only verifier replica (default 1; on a local Ray, "
+                        "what fits this machine)")
     p.add_argument("--max-gpu-memory", help='per-GPU cap when sharding, e.g. "70GiB"')
     p.add_argument("--token-budget", type=int, default=0,
                    help="padded tokens per forward (default 0: 16384 on GPUs, 2048 on CPU)")
@@ -142,7 +143,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="fsdp: shard weights, gradients and optimizer state over the workers")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=d["precision"],
                    help="bf16 autocast (auto: on GPUs and bf16-capable CPUs)")
-    p.add_argument("--cpus-per-worker", type=float, default=d["cpus_per_worker"])
+    p.add_argument("--cpus-per-worker", type=float, default=d["cpus_per_worker"],
+                   help="Ray CPUs per CPU training worker (default 1; on a local Ray, what fits "
+                        "this machine)")
     p.add_argument("--node-resource", help="custom resource pinning workers (e.g. train_node)")
     p.add_argument("--max-failures", type=int, default=d["max_failures"])
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
@@ -195,7 +198,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    "profile's all-reduce time to every verify")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
     p.add_argument("--gpus-per-replica", type=float, default=0)
-    p.add_argument("--cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--cpus-per-replica", type=float,
+                   help="Ray CPUs per replica (default 1; on a local Ray, what fits this machine)")
     p.add_argument("--node-resource", help="custom resource pinning replicas (e.g. pcie_node)")
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--autoscaling", help='JSON Serve autoscaling_config, e.g. '
@@ -260,7 +264,8 @@ def cmd_extract(a):
 
 def cmd_demo(a):
     from eagle3_ray.demo import DemoConfig, run_demo
-    run_demo(DemoConfig(run_dir=a.run_dir, samples=a.samples, max_length=a.max_length,
+    run_demo(DemoConfig(run_dir=a.run_dir, minutes=a.minutes, samples=a.samples,
+                        max_length=a.max_length,
                         regenerate=a.regenerate, regen_max_new_tokens=a.regen_max_new_tokens,
                         ttt_steps=a.ttt_steps, train_steps=a.train_steps,
                         train_minutes=a.train_minutes, depth=a.depth,
@@ -488,7 +493,11 @@ def main(argv=None) -> int:
     from eagle3_ray.demo import DemoConfig
     dd = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
     d.add_argument("--run-dir", default=dd["run_dir"])
-    d.add_argument("--samples", type=int, default=dd["samples"], help="conversations to extract")
+    d.add_argument("--minutes", type=float, default=dd["minutes"],
+                   help="wall-clock target of the demo: a slow host extracts, trains and sends "
+                        "less to fit it (0: no scaling)")
+    d.add_argument("--samples", type=int, default=dd["samples"],
+                   help="conversations to extract (default 400, fewer on a slow host)")
     d.add_argument("--max-length", type=int, default=dd["max_length"])
     d.add_argument("--regenerate", action=argparse.BooleanOptionalAction, default=dd["regenerate"],
                    help="train on the verifier's own greedy answers")
@@ -499,7 +508,8 @@ def main(argv=None) -> int:
     d.add_argument("--train-minutes", type=float, default=dd["train_minutes"],
                    help="wall-clock cap on training")
     d.add_argument("--depth", type=int, default=dd["depth"], help="served depth (0: the ttt_steps)")
-    d.add_argument("--prompts", type=int, default=dd["prompts"], help="held-out prompts per depth")
+    d.add_argument("--prompts", type=int, default=dd["prompts"],
+                   help="held-out prompts per depth (default 12, fewer on a slow host)")
     d.add_argument("--max-tokens", type=int, default=dd["max_tokens"])
     d.add_argument("--fresh", action="store_true", help="delete the run dir and start over")
     d.add_argument("--address")

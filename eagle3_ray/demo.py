@@ -9,6 +9,12 @@ and reports per-position acceptance (from the server's /metrics), acceptance len
 of each arm, and whether the outputs are identical. The server runs with its defaults, the
 lookup fallback included: acceptance counts every verify round, the lookup's too.
 
+The three stages aim at `minutes` (22) in all: a short probe of the verifier's speed here
+(plan_for_host) decides how many conversations extraction can take in its share and how many
+prompts the serve stage can send in its own, and training gets what is left (at most its
+400 steps or 15 minutes). A bf16 host and an emulated AVX2 one keep the defaults; a slower one
+scales them down, and the report says what it scaled.
+
     eagle3-ray demo --samples 32 --train-steps 20 --prompts 2     # a quick CPU run
 """
 import json
@@ -17,7 +23,7 @@ import re
 import shutil
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from eagle3_ray import verifier
 
@@ -25,7 +31,13 @@ from eagle3_ray import verifier
 @dataclass
 class DemoConfig:
     run_dir: str = "runs/demo"
-    samples: int = 400                    # conversations to extract
+    minutes: float = 22.0                 # wall-clock target of the three stages: a host too
+                                          # slow for the defaults in it extracts fewer
+                                          # conversations, trains for less time and sends fewer
+                                          # prompts (plan_for_host; the report says what it
+                                          # scaled and why); 0: the defaults as they are
+    samples: int | None = None            # conversations to extract; None: 400, or fewer where
+                                          # the host could not extract them in its share
     max_length: int = 512                 # tokens per sample
     regenerate: bool = False              # train on the verifier's own greedy answers: served
                                           # tau(4) 1.52-1.59 (two runs) vs 1.47 on a fast host,
@@ -39,34 +51,135 @@ class DemoConfig:
                                           # there with fewer steps; the lr schedule follows
                                           # whichever budget runs out first)
     depth: int = 0                        # served depth; 0 = the drafter's ttt_steps
-    prompts: int = 12                     # held-out prompts sent at each depth (12: ratios to
-                                          # about ±0.1 on a noisy 2-core host; 6 gave ±0.15)
+    prompts: int | None = None            # held-out prompts sent at each depth; None: 12
+                                          # (ratios to about ±0.1 on a noisy 2-core host; 6 gave
+                                          # ±0.15), or fewer (at least 6) on a slow host
     max_tokens: int = 48                  # tokens per reply
     fresh: bool = False
     address: str | None = None
 
 
+# The demo's defaults and what its stages cost, for plan_for_host. Measured on the hosts of
+# docs/benchmarks.md ("Demo"): stage speeds as multiples of probe_host's readings.
+DEFAULT_SAMPLES, MIN_SAMPLES = 400, 96
+DEFAULT_PROMPTS, MIN_PROMPTS = 12, 6
+TOKENS_PER_SAMPLE = 421        # mean tokens of an embedded ShareGPT conversation cut to 512
+EXTRACT_PER_PROBE = 0.9        # the demo's extraction tokens/s / the probe's forward tokens/s
+                               # (0.97 emulated AVX2, 0.8x bf16 here; 0.55 on issue 48's host
+                               # against its transformers loop: training absorbs an overrun)
+SERVE_PER_PROBE = {"bfloat16": 0.6, "float32": 1.1}  # served depth-0 tokens/s over HTTP / the
+                               # probe's decode tokens/s (fp32 serving runs the few-row kernels
+                               # it timed, faster than the probe's plain forward)
+SERVE_START_S = 60             # Serve up: replica, verifier, kernel timing, exactness check
+TRAIN_START_S = 45             # Ray Train up to its first step (2 workers)
+EXTRACT_SHARE = 0.3            # of the budget, at most, for extraction: the drafter is
+                               # compute-bound, so a slow host gives training the most
+SERVE_SHARE = 0.15             # of the budget, at most, for the prompts
+
+
+def probe_host(spec: str = verifier.EMBEDDED_VERIFIER) -> dict:
+    """The verifier's speed on this host, in the dtype and threads the stages use: forward
+    tokens/s on a [1, 512] batch as extraction runs it, and decode tokens/s (one-token forwards
+    after a 64-token cache). ~5 s on a bf16 host, ~15 s on a slow fp32 one."""
+    import torch
+    from transformers import DynamicCache
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = verifier.load_verifier(spec)
+    layers = verifier.default_aux_layer_ids(model.config.num_hidden_layers)
+    ids = torch.arange(512)[None] % model.config.vocab_size                  # [1, 512]
+    mask = torch.ones_like(ids)
+    verifier.forward_hidden(model, ids[:, :64], mask[:, :64], layers)        # warm-up
+    t0 = time.perf_counter()
+    for _ in range(2):
+        verifier.forward_hidden(model, ids, mask, layers)
+    forward = 2 * ids.shape[1] / (time.perf_counter() - t0)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        model(input_ids=ids[:, :64], cache=cache, use_cache=True)
+        model(input_ids=ids[:, 64:65], cache=cache, use_cache=True)          # warm-up
+        t0 = time.perf_counter()
+        for i in range(65, 81):
+            model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True)
+        decode = 16 / (time.perf_counter() - t0)
+    return {"dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "forward_tokens_per_s": forward, "decode_tokens_per_s": decode}
+
+
+def serve_seconds(prompts: int, max_tokens: int, probe: dict) -> float:
+    """The serve stage's expected wall time: start-up, then (prompts + a warm-up) x 3 arms of
+    max_tokens each, depth 0 at SERVE_PER_PROBE x the probe's decode speed and the two
+    speculative arms ~1.3x faster."""
+    rate = SERVE_PER_PROBE.get(probe["dtype"], 0.6) * probe["decode_tokens_per_s"]
+    return SERVE_START_S + (prompts + 1) * max_tokens * (1 + 2 / 1.3) / rate
+
+
+def plan_for_host(cfg: DemoConfig, probe: dict) -> tuple[DemoConfig, dict]:
+    """cfg with the samples and prompts it left open (None) sized to this host so that the
+    three stages fit cfg.minutes: extraction takes at most EXTRACT_SHARE of them, the prompts
+    SERVE_SHARE, and training what is left (train_budget_minutes, after extraction). A fast
+    host keeps the defaults. -> (cfg, the plan for the report)."""
+    budget = cfg.minutes * 60
+    samples, prompts = cfg.samples or DEFAULT_SAMPLES, cfg.prompts or DEFAULT_PROMPTS
+    extract_rate = EXTRACT_PER_PROBE * probe["forward_tokens_per_s"]
+    if cfg.samples is None and budget:
+        fit = int(EXTRACT_SHARE * budget * extract_rate / TOKENS_PER_SAMPLE)
+        if fit < 0.9 * DEFAULT_SAMPLES:   # within 10%: the minutes are approximate anyway
+            samples = max(MIN_SAMPLES, fit)
+    if cfg.prompts is None and budget:
+        while prompts > MIN_PROMPTS and serve_seconds(
+                prompts, cfg.max_tokens, probe) - SERVE_START_S > SERVE_SHARE * budget:
+            prompts -= 1
+    plan = {"minutes": cfg.minutes, "probe": probe, "samples": samples, "prompts": prompts,
+            "expected_extract_s": samples * TOKENS_PER_SAMPLE / extract_rate,
+            "expected_serve_s": serve_seconds(prompts, cfg.max_tokens, probe),
+            "scaled": [k for k, v, d in (("samples", samples, DEFAULT_SAMPLES),
+                                         ("prompts", prompts, DEFAULT_PROMPTS))
+                       if getattr(cfg, k) is None and v < d]}
+    return replace(cfg, samples=samples, prompts=prompts), plan
+
+
+def train_budget_minutes(cfg: DemoConfig, plan: dict, elapsed_s: float) -> float:
+    """Training's wall-clock cap: cfg.train_minutes, or less where the budget left after
+    `elapsed_s` (the probe and extraction) and the serve stage's share is shorter (at least 2)."""
+    if not cfg.minutes:
+        return cfg.train_minutes
+    left = cfg.minutes * 60 - elapsed_s - plan["expected_serve_s"] - TRAIN_START_S
+    return round(min(cfg.train_minutes, max(2.0, left / 60)), 2)
+
+
 def run_demo(cfg: DemoConfig) -> dict:
+    from eagle3_ray import schema
     from eagle3_ray.extract import ExtractConfig, run_extract
     from eagle3_ray.train import TrainConfig, run_train
     if cfg.fresh and os.path.isdir(cfg.run_dir):
         shutil.rmtree(cfg.run_dir)
     t0 = time.perf_counter()
     data_dir, train_dir = (os.path.join(cfg.run_dir, d) for d in ("data", "train"))
+    if cfg.samples is None and os.path.isfile(os.path.join(data_dir, "manifest.json")):
+        done = schema.read_manifest(data_dir)["config"]["sample_limit"]   # a rerun: the same
+        cfg = replace(cfg, samples=done)
+    cfg, plan = plan_for_host(cfg, probe_host())
+    tp = time.perf_counter()
+    if plan["scaled"]:
+        print(f"[demo] this host runs the verifier at {plan['probe']['forward_tokens_per_s']:.0f}"
+              f" tokens/s ({plan['probe']['dtype']}): {cfg.samples} conversations and "
+              f"{cfg.prompts} prompts per depth, so that the demo fits ~{cfg.minutes:g} minutes")
     run_extract(ExtractConfig(output=data_dir, sample_limit=cfg.samples,
                               max_length=cfg.max_length, batch_rows=32,
                               regenerate=cfg.regenerate,
                               regen_max_new_tokens=cfg.regen_max_new_tokens), cfg.address)
     t1 = time.perf_counter()
+    plan["train_minutes"] = train_budget_minutes(cfg, plan, t1 - t0)
     if not os.path.isfile(os.path.join(train_dir, "drafter", "meta.json")):
         run_train(TrainConfig(      # the recipe is TrainConfig's default (docs/benchmarks.md)
             dataset=data_dir, output=train_dir, ttt_steps=cfg.ttt_steps, max_steps=cfg.train_steps,
-            max_minutes=cfg.train_minutes, max_seq_len=cfg.max_length, eval_every=0,
+            max_minutes=plan["train_minutes"], max_seq_len=cfg.max_length, eval_every=0,
             log_every=25, checkpoint_every=100, num_workers=2, cpus_per_worker=0.5), cfg.address)
     t2 = time.perf_counter()
     report = serve_and_measure(cfg, os.path.join(train_dir, "drafter"))
-    report["wall_s"] = {"extract": t1 - t0, "train": t2 - t1, "serve": time.perf_counter() - t2,
-                        "total": time.perf_counter() - t0}
+    report["plan"] = plan
+    report["wall_s"] = {"probe": tp - t0, "extract": t1 - tp, "train": t2 - t1,
+                        "serve": time.perf_counter() - t2, "total": time.perf_counter() - t0}
     with open(os.path.join(cfg.run_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     plot_report(report, os.path.join(cfg.run_dir, "report.png"))
@@ -165,9 +278,16 @@ def print_report(r: dict, run_dir: str) -> None:
     print(f"[demo] rounds drafted by the lookup fallback: {looked}")
     if r.get("few_row_kernels"):
         print(f"[demo] fp32 kernels the replica timed fastest, by rows: {r['few_row_kernels']}")
+    p = r.get("plan", {})
+    if p.get("scaled"):
+        print(f"[demo] scaled to this host ({p['probe']['forward_tokens_per_s']:.0f} forward "
+              f"tokens/s, {p['probe']['dtype']}) to fit ~{p['minutes']:g} minutes: "
+              f"{p['samples']} conversations (of {DEFAULT_SAMPLES}), {p['prompts']} prompts per "
+              f"depth (of {DEFAULT_PROMPTS}), training capped at {p['train_minutes']:g} minutes")
     w = r["wall_s"]
-    print(f"[demo] wall: extract {w['extract']:.0f}s, train {w['train']:.0f}s, serve "
-          f"{w['serve']:.0f}s; report: {run_dir}/report.json, {run_dir}/report.png")
+    print(f"[demo] wall: probe {w.get('probe', 0):.0f}s, extract {w['extract']:.0f}s, train "
+          f"{w['train']:.0f}s, serve {w['serve']:.0f}s, total {w['total'] / 60:.1f} minutes; "
+          f"report: {run_dir}/report.json, {run_dir}/report.png")
 
 
 def plot_report(r: dict, path: str) -> None:

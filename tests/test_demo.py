@@ -48,3 +48,33 @@ def test_replica_kernels_read_back_from_metrics():
     m = parse_metrics(Metrics({1: "linear", 2: "rows", 4: "onednn"}).render())
     assert replica_kernels(m) == {"1": "linear", "2": "rows", "4": "onednn"}
     assert replica_kernels(parse_metrics(Metrics().render())) == {}
+
+
+def test_the_demo_sizes_itself_to_the_host():
+    """plan_for_host on probe readings: the hosts the defaults were measured on (this AMD EPYC
+    in bf16, and capped at AVX2 in fp32) keep 400 conversations and 12 prompts; one as slow as
+    issue 48's real AVX2-only EPYC gets fewer, so that extraction fits its share of the minutes
+    and training what is left; flags given, and --minutes 0, are not scaled."""
+    from eagle3_ray import demo
+    bf16 = {"dtype": "bfloat16", "forward_tokens_per_s": 930, "decode_tokens_per_s": 28.6}
+    emulated = {"dtype": "float32", "forward_tokens_per_s": 510, "decode_tokens_per_s": 18.2}
+    slow = {"dtype": "float32", "forward_tokens_per_s": 182, "decode_tokens_per_s": 7.0}
+    for probe in (bf16, emulated):
+        cfg, plan = demo.plan_for_host(demo.DemoConfig(), probe)
+        assert (cfg.samples, cfg.prompts, plan["scaled"]) == (400, 12, [])
+    cfg, plan = demo.plan_for_host(demo.DemoConfig(), slow)
+    assert demo.MIN_SAMPLES <= cfg.samples < 400 and demo.MIN_PROMPTS <= cfg.prompts < 12
+    assert plan["scaled"] == ["samples", "prompts"]
+    budget = cfg.minutes * 60
+    assert plan["expected_extract_s"] <= demo.EXTRACT_SHARE * budget
+    assert plan["expected_serve_s"] - demo.SERVE_START_S <= demo.SERVE_SHARE * budget
+    left = demo.train_budget_minutes(cfg, plan, elapsed_s=plan["expected_extract_s"])
+    assert 2 <= left < cfg.train_minutes
+    total = plan["expected_extract_s"] + 60 * left + demo.TRAIN_START_S + plan["expected_serve_s"]
+    assert abs(total - budget) < 1                           # the three stages fill the minutes
+    assert demo.train_budget_minutes(cfg, plan, elapsed_s=budget) == 2   # overrun: the floor
+    given = demo.DemoConfig(samples=400, prompts=12)
+    assert demo.plan_for_host(given, slow)[0] == given
+    off = demo.plan_for_host(demo.DemoConfig(minutes=0), slow)[0]
+    assert (off.samples, off.prompts) == (400, 12)
+    assert demo.train_budget_minutes(off, plan, elapsed_s=0) == off.train_minutes
