@@ -37,7 +37,8 @@ def fit_cpus(reserved: float = 0.0, **groups: tuple[float | None, int]) -> dict[
     on a local Ray that init_ray started (this machine is the whole cluster) where 1 each would
     not fit: there the CPUs left after `reserved` (the pipeline's read and tokenizer tasks) and
     the given groups are shared equally by the default groups' members (2 cores, one training
-    worker and one verifier replica beside the online pipeline's 0.75: 0.62 each), at least
+    worker and one verifier replica beside the online pipeline's 0.25 of read tasks: 0.87
+    each), at least
     MIN_CPUS. On a cluster the autoscaler brings the CPUs a plan asks for: 1 each."""
     out = {k: v for k, (v, _) in groups.items() if v is not None}
     open_members = sum(n for k, (v, n) in groups.items() if v is None)

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from fastapi import FastAPI, Request
@@ -315,8 +315,8 @@ class Engine:
                                   + self.spec.inexact_reason("chain"))
         for f in self.fallbacks:
             log.warning(f"this replica serves {f}")
-        self.lookup_greedy = (speculate.LookupParams(branch=True) if tree and cfg.lookup_branch
-                              else self.lookup)                  # trees: greedy only
+        self.lookup_greedy = (speculate.LookupParams(branch=True) if tree and self.lookup and
+                              cfg.lookup_branch else self.lookup)     # trees: greedy only
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         self.depth_profile, self.prior = depth_planning(cfg, self.spec)
@@ -638,10 +638,8 @@ def build_app(cfg: ServeConfig):
 
 def fit_cpus(cfg: ServeConfig) -> ServeConfig:
     """cfg with its CPUs per replica decided (launch.fit_cpus; autoscaling: its max_replicas)."""
-    from dataclasses import replace
     from eagle3_ray import launch
-    replicas = (cfg.autoscaling or {}).get("max_replicas", 1) if cfg.autoscaling \
-        else cfg.num_replicas
+    replicas = cfg.autoscaling.get("max_replicas", 1) if cfg.autoscaling else cfg.num_replicas
     return replace(cfg, cpus_per_replica=launch.fit_cpus(
         replica=(cfg.cpus_per_replica, replicas))["replica"])
 
@@ -661,7 +659,6 @@ def deployment_options(cfg: ServeConfig) -> dict:
 
 def resolve_paths(cfg: ServeConfig) -> ServeConfig:
     """Local paths made absolute: replicas run in another working directory."""
-    from dataclasses import replace
     from eagle3_ray import schema
     return replace(cfg, verifier=verifier_lib.absolute_spec(cfg.verifier),
                    drafter=schema.absolute(cfg.drafter) if cfg.drafter else None)

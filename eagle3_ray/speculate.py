@@ -271,9 +271,7 @@ class Speculator:
                 cache.crop(cached - cache.get_seq_length())
                 return out
 
-            steps = []
-            for t in new[:width]:                  # decoding: one token per forward
-                steps.append(self._verify([t], cache)[0])
+            steps = [self._verify([t], cache)[0] for t in new[:width]]   # decoding, 1 a forward
             cache.crop(cached - cache.get_seq_length())
             ok["chain"] &= same(verify(new[:width]), torch.cat(steps))          # [4, V]
             tree = verify(new, tree_paths=self.EXACT_PATHS)                      # [7, V]

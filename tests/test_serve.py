@@ -360,6 +360,9 @@ def test_engine_lookup_fallback_on_by_default_and_off(tiny_verifier, tmp_path, o
     off = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, lookup=False,
                                    torch_threads=1))
     assert off.lookup is None and off.lookup_greedy is None
+    off_tree = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, lookup=False,
+                                        branches=2, lookup_branch=True, torch_threads=1))
+    assert off_tree.lookup_greedy is None and off_tree.branches == 2   # no lookup in the tree
     branch = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
                                       lookup_branch=True, torch_threads=1))
     assert branch.lookup_greedy == speculate.LookupParams(branch=True)    # greedy: a tree
