@@ -455,8 +455,6 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
                     and 0.317 from random init)
     So at step 0 the drafter is one more verifier layer on the verifier's own state: exactly
     the verifier's output of that layer (tests/test_draft.py), a prediction one token early.
-    A drafter with more heads than the verifier (copyhead.with_copy_group) gets the verifier's
-    heads first and the rest at zero, which leaves that output unchanged.
     Tensors the verifier lacks or shapes that differ (an MoE MLP, MLA attention) keep their
     random init. Returns {"layer": j, "copied": [...], "kept_random": [...]}."""
     c, m = drafter.config, drafter.midlayer
@@ -475,16 +473,12 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     copied, kept = [], []
     for mine, theirs in plan.items():
         src, dst = w.get(pre + theirs), params[mine]
-        attn = mine.startswith("self_attn.")
         region = dst[:, h:] if mine.split(".")[1] in ("q_proj", "k_proj", "v_proj") else dst
-        fits = src is not None and src.dim() == region.dim() and (        # q/k/v: hidden half
-            tuple(src.shape) == tuple(region.shape)
-            or attn and all(a <= b for a, b in zip(src.shape, region.shape)))  # more heads here
-        if not fits:
+        if src is None or tuple(src.shape) != tuple(region.shape):         # q/k/v: hidden half
             kept.append(f"midlayer.{mine}")
             continue
-        dst.zero_()                       # q/k/v's embedding half and any spare heads stay zero
-        region[tuple(slice(n) for n in src.shape)] = src.to(dst.dtype)  # the verifier's first
+        dst.zero_()                                    # q/k/v's embedding half stays zero
+        region.copy_(src.to(dst.dtype))
         copied.append(f"midlayer.{mine}")
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, 2 * h:] = torch.eye(h)                            # [H, 3H]: high aux

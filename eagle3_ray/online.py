@@ -279,7 +279,6 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
                    stats_actor=f"online-stats-{run_id}")
     tcfg = replace(tcfg, dataset=cache or f"online:{','.join(ecfg.inputs)}")
     train.check_config(tcfg)
-    train.vocab_column(tcfg, has_target_ids=False)  # online counts response tokens (no argmax yet)
     tok, config = verifier.load_tokenizer(tcfg.verifier), verifier.load_config(tcfg.verifier)
     facts = extract.dataset_facts(ecfg, config, tok)
     check_source(tcfg.output, facts, ecfg)

@@ -1,7 +1,7 @@
 """Recipe sweep: TrainConfig variants trained side by side for equal minutes, no Ray.
 
 Each arm is a fresh process with one torch thread that builds the drafter as `train` does
-(vocab_from, init, draft vocab), runs the same step (ttt.ttt_loss, AdamW, the lr and depth
+(draft vocab, init), runs the same step (ttt.ttt_loss, AdamW, the lr and depth
 schedules of train.py) on the dataset's train split through ParquetShard, for `minutes` of
 training, then evaluates teacher-forced on the held-out split (the verifier's argmax as the
 target, `eval_depth` positions). Arms run `parallel` at a time, one core each, so the arms of a
@@ -13,7 +13,7 @@ each arm's drafter as it was after M training minutes (<out>/<name>/<arm>/drafte
 curve evaluated afterwards without taking time from the arms.
 
     eagle3-ray bench sweep --dataset runs/bench/data/orig --minutes 2 \
-        --arm previous targets=soft draft_vocab_size=8192 vocab_from=tokens --arm default \
+        --arm previous targets=soft draft_vocab_size=8192 --arm default \
         --served --served-prompts 2 --served-tokens 32
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     cfg = replace(cfg, output="")                      # nothing is written for an arm
     torch.manual_seed(cfg.seed)
     manifest, dcfg = setup["manifest"], draft.DraftConfig(**setup["draft_config"])
-    column = train.vocab_column(cfg, schema.stores_target_ids(manifest))
+    column = train.vocab_column(schema.stores_target_ids(manifest))
     drafter, teacher = train.build_for_training(cfg, setup, teacher_check=False)
     parts = [f["uri"] for f in manifest["files"]]
     shard = train.ParquetShard(parts, cfg.eval_fraction, False, 0, 1)
@@ -90,7 +90,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     ev = sums.summarize(sums.t, "eval/")       # the keys of train's final_metrics
     cond = [ev[f"eval/cond_acc_{i}"] for i in range(eval_depth)]
     out = {"overrides": overrides, "steps": step, "epochs": epoch, "train_s": train_s,
-           "tokens_per_s": tokens / max(train_s, 1e-9), "vocab_from": column,
+           "tokens_per_s": tokens / max(train_s, 1e-9), "counted": column,
            "acc": [ev[f"eval/acc_{i}"] for i in range(eval_depth)], "cond_acc": cond,
            "in_vocab": ev["eval/in_vocab_0"], "tau_by_depth": ttt.accept_lengths(cond),
            "eval_positions": ev["eval/count_0"], "config": asdict(cfg)}

@@ -4,7 +4,7 @@
             draft vocabulary (token counts over loss-masked tokens), hold out an eval split
     TorchTrainer workers (DDP over gloo/NCCL): read their equal share of the Parquet parts
             (ParquetShard; online: the Ray Data pipeline's get_dataset_shard), TTT unroll
-            (ttt.py), AdamW (or Muon + AdamW) + warmup/cosine, grad clipping, bf16 autocast
+            (ttt.py), AdamW + warmup/cosine, grad clipping, bf16 autocast
             (GPU, bf16 CPUs); report metrics every `log_every` steps, evaluate every
             `eval_every` (held out, one position past ttt_steps), checkpoint every
             `checkpoint_every`
@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagle3_ray import checkpoint, copyhead, draft, schema, ttt, verifier, vocab
+from eagle3_ray import checkpoint, draft, schema, ttt, verifier, vocab
 
 # Dataset facts a drafter's verifier must share (a different max_length or regeneration is fine).
 VERIFIER_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "layer_id_convention",
@@ -64,12 +64,6 @@ class TrainConfig:
                                           # ttt_steps over this share of the training (0 = off)
     deep_fraction: float = 0.25           # share of positions that run the TTT steps past 0
                                           # (random each batch; <1 makes deep steps cheaper)
-    feature_weight: float = 0.0           # weight of the feature regression to the verifier's
-                                          # last hidden state (ttt.ttt_loss); 0 = off
-    deep_targets: str = "all"             # where the TTT steps past 0 learn: all = every
-                                          # position; agreed = only where the data's tokens fed
-                                          # to them are the verifier's greedy ones, the chains a
-                                          # served drafter continues (ttt.ttt_loss)
     draft_vocab_size: int = 4096          # reduced draft vocab (<= verifier vocab). The lm_head
                                           # dominates a 1-layer drafter's step: on the embedded
                                           # default 4096 (counted over the verifier's argmax)
@@ -77,12 +71,6 @@ class TrainConfig:
                                           # held-out targets (8192: ~97%), and won at equal
                                           # minutes (docs/benchmarks.md#drafter-recipe-bench-recipe);
                                           # for a 128k+ vocab verifier use 32000, as SpecForge does
-    vocab_from: str = "auto"              # what the draft vocab's token counts are taken over:
-                                          # targets = the verifier's argmax on loss-masked
-                                          # positions (what a greedy verifier asks the drafter
-                                          # to propose), tokens = the response tokens
-                                          # (SpecForge); auto = targets when the dataset stores
-                                          # target_ids (offline), else tokens (online)
     targets: str = "hard"                 # loss target: hard = the verifier's argmax (what
                                           # greedy acceptance checks; no teacher matmul when the
                                           # dataset stores target_ids), soft = the teacher's
@@ -93,10 +81,6 @@ class TrainConfig:
     init: str = "verifier"                # verifier: fc passes the highest aux state through and
                                           # the midlayer starts as that verifier layer
                                           # (draft.init_from_verifier); random: noise
-    copy_head: bool = False               # one more KV group, seeded as a copy (induction) head
-                                          # fitted on the first 64 training samples
-                                          # (copyhead.py); needs init verifier and a dataset
-                                          # on disk
     max_steps: int = 200                  # optimizer steps in total (across resumes)
     max_epochs: int = 1000                # stop after this many passes even if steps remain
     max_minutes: float = 0                # wall-clock budget of the training loop; 0 = none
@@ -107,9 +91,6 @@ class TrainConfig:
     min_lr_ratio: float = 0.1             # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
     weight_decay: float = 0.0
-    optimizer: str = "adamw"              # adamw | muon: torch's Muon on the drafter's hidden
-                                          # matrices (fc, attention, MLP; RMS matched to AdamW
-                                          # so lr carries over), AdamW on lm_head and norms
     grad_clip: float = 0.5
     eval_fraction: float = 0.05           # held-out share of samples (by sample_id hash)
     eval_every: int = 50                  # steps; 0 = only at the end
@@ -193,25 +174,15 @@ def check_config(cfg: TrainConfig) -> None:
                  "num_workers", "max_seq_len"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name, allowed in (("vocab_from", VOCAB_FROM), ("targets", ttt.TARGETS),
-                          ("optimizer", OPTIMIZERS),
-                          ("deep_targets", ttt.DEEP_TARGETS),
-                          ("recompute", ("auto", "on", "off"))):
+    for name, allowed in (("targets", ttt.TARGETS), ("recompute", ("auto", "on", "off"))):
         if getattr(cfg, name) not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
     if cfg.init not in draft.INIT_MODES:
         raise ValueError(f"init must be one of {draft.INIT_MODES}, got {cfg.init!r}")
-    if cfg.copy_head and cfg.init != "verifier":
-        raise ValueError("copy_head is seeded on top of init verifier (copyhead.py): "
-                         f"use init verifier, not {cfg.init!r}")
     if cfg.parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
-    if cfg.optimizer == "muon" and cfg.parallel == "fsdp":
-        raise ValueError("optimizer muon needs whole matrices: use parallel ddp, not fsdp")
     if not 0 < cfg.deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {cfg.deep_fraction}")
-    if cfg.feature_weight < 0:
-        raise ValueError(f"feature_weight must be >= 0, got {cfg.feature_weight}")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
 
@@ -227,24 +198,18 @@ def prepare(cfg: TrainConfig) -> dict:
         schema.check_compatible(manifest, expected, where=schema.manifest_path(uri),
                                 fields=VERIFIER_FIELDS)
     manifest = schema.read_datasets(cfg.dataset, check)
-    column = vocab_column(cfg, schema.stores_target_ids(manifest))
+    column = vocab_column(schema.stores_target_ids(manifest))
     uris = schema.dataset_uris(cfg.dataset)
     return make_setup(cfg, manifest, lambda: sum(
         vocab.count_tokens(u, config.vocab_size, column) for u in uris), column)
 
 
-VOCAB_FROM = ("auto", "targets", "tokens")
-
-
-def vocab_column(cfg: TrainConfig, has_target_ids: bool) -> str:
-    """The dataset column the draft vocabulary is counted over (TrainConfig.vocab_from)."""
-    if cfg.vocab_from == "targets" and not has_target_ids:
-        raise ValueError(f"{cfg.dataset or 'online training'}: vocab_from='targets' needs an "
-                         "offline dataset that stores target_ids (format_version >= 2); "
-                         "online training counts the response tokens (vocab_from tokens/auto)")
-    if cfg.vocab_from == "tokens" or not has_target_ids:
-        return "input_ids"
-    return "target_ids"
+def vocab_column(has_target_ids: bool) -> str:
+    """The dataset column the draft vocabulary is counted over: target_ids, the verifier's
+    argmax on loss-masked positions (what a greedy verifier asks the drafter to propose), when
+    the dataset stores them (offline), else input_ids, the response tokens (online, as
+    SpecForge)."""
+    return "target_ids" if has_target_ids else "input_ids"
 
 
 def recompute(cfg: TrainConfig) -> bool:
@@ -276,55 +241,18 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
              "coverage": vocab.coverage(counts, t2d)}).encode())
     dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
                                                   manifest["facts"]["aux_layer_ids"])
-    if cfg.copy_head:
-        if not manifest["files"]:
-            raise ValueError("copy_head is fitted on the first training samples of a dataset on "
-                             "disk; online training has none yet (train from a dataset, or "
-                             "without copy_head)")
-        dcfg = copyhead.with_copy_group(dcfg)
     return {"manifest": manifest, "draft_config": dcfg.to_dict(), "d2t": d2t.tolist(),
             "manifest_hash": checkpoint.manifest_hash(manifest)}
 
 
-COPY_HEAD_ROWS = 64                       # samples the copy head is fitted on
-
-
-def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool, log: bool = True):
+def build_for_training(cfg: TrainConfig, setup: dict, teacher_check: bool):
     """The drafter and teacher a run starts from (before any checkpoint is loaded): the
-    draft config and vocab of `setup`, cfg.init, and with cfg.copy_head the copy head seeded
-    on the first COPY_HEAD_ROWS training samples (the same rows on every worker)."""
+    draft config and vocab of `setup`, and cfg.init."""
     dcfg = draft.DraftConfig(**setup["draft_config"])
     d2t, t2d = mapping_from_d2t(setup["d2t"], dcfg.vocab_size)
     drafter, teacher = draft.build_drafter(cfg.verifier, dcfg, d2t, t2d,
                                            teacher_check=teacher_check, init=cfg.init)
-    if cfg.copy_head:
-        rows = first_rows(setup["manifest"], COPY_HEAD_ROWS, cfg.eval_fraction)
-        fit = copyhead.seed_copy_head(drafter, *real_positions(rows, dcfg.hidden_size,
-                                                                cfg.max_seq_len))
-        if log:
-            print(f"[train] copy head fitted on {fit['tokens']} positions of {rows.num_rows} "
-                  f"samples (code R^2 {fit['code_r2']:.2f}, key R^2 {fit['key_r2']:.2f})")
     return drafter, teacher
-
-
-def first_rows(manifest: dict, n: int, eval_fraction: float = 0.05) -> pa.Table:
-    """The first `n` training samples (held-out ones skipped) of a dataset, in file order."""
-    got, count = [], 0
-    for fs, path in schema.part_paths([f["uri"] for f in manifest["files"]]):
-        with fs.open_input_file(path) as f:
-            t = _split(pq.read_table(f), eval_fraction, False)
-        got.append(t.slice(0, n - count))
-        count += got[-1].num_rows
-        if count >= n:
-            break
-    return pa.concat_tables(got)
-
-
-def real_positions(rows: pa.Table, hidden: int, max_len: int = 2048):
-    """Rows -> (aux [N, 3H], input_ids [N]) at their N real positions."""
-    b = collate(rows, hidden, max_len)
-    real = b["attention_mask"].bool()
-    return b["aux_hidden_states"][real], b["input_ids"][real]
 
 
 def mapping_from_d2t(d2t: list[int], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -483,7 +411,7 @@ def train_loop_per_worker(loop: dict) -> None:
     torch.manual_seed(cfg.seed)
     dcfg = draft.DraftConfig(**setup["draft_config"])
     stored = schema.stores_target_ids(setup["manifest"])  # then no lm_head rows outside Vd
-    drafter, teacher = build_for_training(cfg, setup, teacher_check=not stored, log=rank == 0)
+    drafter, teacher = build_for_training(cfg, setup, teacher_check=not stored)
     device = ray.train.torch.get_device()
     amp_dtype = autocast_dtype(cfg.precision, cfg.use_gpu)
     teacher = teacher.to(device, amp_dtype or torch.float32)  # the teacher's matmuls in bf16 too
@@ -586,24 +514,11 @@ def train_loop_per_worker(loop: dict) -> None:
         finish(cfg, setup, weights, state)
 
 
-OPTIMIZERS = ("adamw", "muon")
-
-
 def make_optimizers(cfg: TrainConfig, model) -> list[torch.optim.Optimizer]:
-    """The optimizers of `model`'s trainable parameters: [AdamW], or with optimizer "muon"
-    [AdamW (lm_head, norms), Muon (the other matrices)] (Muon's own guidance: not on the output
-    layer, nor on vectors). Muon's update RMS is matched to AdamW's (Moonshot's
-    "match_rms_adamw"), so both take the same lr."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    adamw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    if cfg.optimizer == "adamw":
-        return [torch.optim.AdamW([p for _, p in named], **adamw)]
-    on_muon = [p.dim() == 2 and "lm_head" not in n for n, p in named]
-    hidden = [p for (_, p), m in zip(named, on_muon) if m]
-    rest = [p for (_, p), m in zip(named, on_muon) if not m]
-    return [torch.optim.AdamW(rest, **adamw),
-            torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             adjust_lr_fn="match_rms_adamw")]
+    """[AdamW] over `model`'s trainable parameters (a list: the loop, full_state and the
+    checkpoints take a list of optimizers)."""
+    return [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                              weight_decay=cfg.weight_decay, betas=(0.9, 0.95))]
 
 
 def train_step(cfg: TrainConfig, model, opts, params, teacher, batch: dict, step: int,
@@ -620,8 +535,7 @@ def train_step(cfg: TrainConfig, model, opts, params, teacher, batch: dict, step
         loss, m = ttt.ttt_loss(model, teacher, batch, depth_at(cfg, step, train_s),
                                cfg.step_weight_decay, deep_fraction=cfg.deep_fraction,
                                targets=cfg.targets, checkpoint_attention=ckpt,
-                               checkpoint_logits=ckpt, feature_weight=cfg.feature_weight,
-                               deep_targets=cfg.deep_targets)
+                               checkpoint_logits=ckpt)
     for opt in opts:
         opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -762,7 +676,7 @@ def check_names(model, state: dict, where: str) -> None:
         if tuple(t.shape) != tuple(mine[name].shape):       # DTensor: the whole tensor's shape
             raise ValueError(f"{where}: {name} is {tuple(t.shape)} there and "
                              f"{tuple(mine[name].shape)} in this drafter (resume with the "
-                             "settings the run started with, e.g. the same --copy-head)")
+                             "settings the run started with)")
 
 
 def load_weights(model, state: dict, where: str) -> None:

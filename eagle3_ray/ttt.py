@@ -23,16 +23,10 @@ token, while a teacher-forced one is fed the data's token t+2+k, which on data n
 the verifier (ChatGPT's answers) often differs. The conditional accuracy therefore counts step
 k only on chains where the data agreed with the verifier's greedy token at t+1+j for every
 j < k (and steps 0..k-1 were right): an estimate of the served conditional acceptance on the
-data's contexts. deep_targets="agreed" restricts the loss of steps past 0 the same way (on the
-verifier's own greedy answers every position agrees and both options are the same).
+data's contexts.
 Loss: cross-entropy on the learnable positions of each step (mean) against p_teacher (soft) or
 its argmax, the verifier's greedy token (hard: with target_ids stored the teacher never runs);
-total Σ_k w^k loss_k / Σ_k w^k. Optional feature regression (feature_weight > 0, as EAGLE-1/2
-had and EAGLE-3 dropped): step k's output at t is pulled toward the verifier's last hidden
-state at t+1+k, the state whose lm_head row gives the target, with a smooth-L1 loss between the
-two RMS-normalised vectors (direction only: norm + lm_head ignore the scale) on every valid
-position, in vocab or not: a dense signal per position where the cross-entropy has one token.
-lm_head + log_softmax run on gathered valid rows only, in
+total Σ_k w^k loss_k / Σ_k w^k. lm_head + log_softmax run on gathered valid rows only, in
 chunks that are recomputed in backward (checkpoint_logits) where memory is short, so no [S, Vd]
 fp32 logits are held per step.
 
@@ -163,33 +157,28 @@ class DiagonalAttention:
         return _attend(*args)
 
 
-def _cross_entropy(drafter, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                   weight: torch.Tensor | None = None):
-    """hidden [n, H], targets[rows] -> (Σ_rows weight · cross-entropy, Σ_rows cross-entropy
-    (detached), drafter argmax [n]). targets: [M, Vd] probabilities (soft: -Σ_v p log q) or [M]
-    draft ids (hard: -log q[id]). They are gathered inside, so a checkpoint saves only the row
-    indices. weight [n] (0/1, default 1): which rows carry the loss."""
+def _cross_entropy(drafter, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor):
+    """hidden [n, H], targets[rows] -> (Σ_rows cross-entropy, the same detached, drafter
+    argmax [n]). targets: [M, Vd] probabilities (soft: -Σ_v p log q) or [M] draft ids (hard:
+    -log q[id]). They are gathered inside, so a checkpoint saves only the row indices."""
     logits = drafter.logits(hidden)                                        # [n, Vd]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp32 (fp64 stays)
     if targets.dtype == torch.long:
         ce = torch.nn.functional.cross_entropy(logits, targets[rows], reduction="none")  # [n]
     else:
         ce = -(targets[rows] * logits.log_softmax(-1)).sum(-1)            # [n]
-    loss = ce.sum() if weight is None else (ce * weight).sum()
-    return loss, ce.detach().sum(), logits.argmax(-1)
+    return ce.sum(), ce.detach().sum(), logits.argmax(-1)
 
 
 def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-               chunk_size: int, recompute: bool = True, carry: torch.Tensor | None = None):
-    """Over the valid positions (rows >= 0) of one step: (loss sum over the positions that
-    carry loss, loss sum over all of them (detached, for the metrics), drafter argmax).
-    hidden [B, S, H], rows [B, S] (teacher row per position, -1 = invalid), targets [M, Vd]
-    or [M] (_cross_entropy), carry [B, S] bool (default: every valid position carries loss).
+               chunk_size: int, recompute: bool = True):
+    """Over the valid positions (rows >= 0) of one step: (loss sum, the same detached (for the
+    metrics), drafter argmax). hidden [B, S, H], rows [B, S] (teacher row per position,
+    -1 = invalid), targets [M, Vd] or [M] (_cross_entropy).
     recompute: the chunks' logits are recomputed in backward (activation checkpointing: memory
     of one chunk) instead of kept (no second lm_head)."""
     valid = rows >= 0
     h, r = hidden[valid], rows[valid]                                      # [N, H], [N]
-    w = None if carry is None else carry[valid].to(torch.float32)          # [N]
     if len(r) == 0:  # keep lm_head/norm in the graph (DDP expects a grad for every parameter)
         h = hidden.reshape(-1, hidden.shape[-1])[:1]                       # [1, H]
         t = targets.new_zeros((1,) + targets.shape[1:])                    # [1, Vd] or [1]
@@ -198,8 +187,7 @@ def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, targets: torch
         return loss * 0, loss.detach() * 0, r
     total, seen, preds = 0.0, 0.0, []
     for c in range(0, len(r), chunk_size):
-        args = (drafter, h[c:c + chunk_size], targets, r[c:c + chunk_size],  # [n, H], [n]
-                None if w is None else w[c:c + chunk_size])
+        args = (drafter, h[c:c + chunk_size], targets, r[c:c + chunk_size])  # [n, H], [n]
         if torch.is_grad_enabled() and recompute:
             loss, ce, pred = checkpoint(_cross_entropy, *args, use_reentrant=False)
         else:
@@ -224,14 +212,12 @@ def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
 
 
 TARGETS = ("soft", "hard")
-DEEP_TARGETS = ("all", "agreed")
 
 
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
              chunk_size: int = 512, checkpoint_attention: bool = True,
              deep_fraction: float = 1.0, generator=None, targets: str = "soft",
-             checkpoint_logits: bool = True, feature_weight: float = 0.0,
-             deep_targets: str = "all", loss_steps: int | None = None):
+             checkpoint_logits: bool = True, loss_steps: int | None = None):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -254,11 +240,6 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     checkpoint_attention / checkpoint_logits: recompute the attention core / the lm_head chunks
     in backward (memory linear in depth, one chunk of logits at a time) or keep them (no second
     pass: cheaper where compute, not memory, is short, as on CPUs).
-    feature_weight: step k's loss adds feature_weight × the feature regression (module
-    docstring); its mean per step is reported as feat_k (0 when off).
-    deep_targets: "all" = steps past 0 learn at every learnable position; "agreed" = step k
-    learns at t only where the data's tokens t+2..t+1+k (the ones fed to steps 1..k) are the
-    verifier's greedy tokens: the chains a served drafter continues (module docstring).
     loss_steps: only steps 0..loss_steps-1 enter the loss (default: all); the steps past them
     are unrolled and measured only (train.evaluate's probe past the trained depth)."""
     if targets not in TARGETS:
@@ -267,10 +248,6 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     if not 0 < deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {deep_fraction}")
-    if feature_weight < 0:
-        raise ValueError(f"feature_weight must be >= 0, got {feature_weight}")
-    if deep_targets not in DEEP_TARGETS:
-        raise ValueError(f"deep_targets must be one of {DEEP_TARGETS}, got {deep_targets!r}")
     drafter = getattr(model, "module", model)
     dtype = drafter.fc.weight.dtype
     ids = batch["input_ids"].long()                                        # [B, S]
@@ -307,9 +284,8 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
 
     positions = torch.arange(s, device=ids.device)[None].expand(b, s)     # [B, S]
     attend = DiagonalAttention(real, checkpoint_attention)
-    hidden, losses, feats = aux, [], []
+    hidden, losses = aux, []
     chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
-    agreed = torch.ones(b, s, dtype=torch.bool, device=ids.device)         # data agreed so far
     sums = {key: [] for key in COUNT_KEYS}
     sel = keep = None                                  # the deep selection, once made
     for k in range(ttt_steps):
@@ -322,17 +298,11 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             rows = rows.gather(1, sel).masked_fill(~keep, -1)
             learn = learn.gather(1, sel).masked_fill(~keep, -1)
             agree_k = agree_k.gather(1, sel)
-        carry = agreed if deep_targets == "agreed" and k > 0 else None     # [B, S|n] or None
         hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
         loss_sum, seen_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
-                                              checkpoint_logits, carry)
+                                              checkpoint_logits)
         valid, learnable = rows >= 0, learn >= 0
-        carried = learnable if carry is None else learnable & carry
-        losses.append(loss_sum / carried.sum().clamp(min=1))
-        if feature_weight:
-            feat = _feature_loss(hidden, batch["last_hidden_states"], 1 + k, sel, valid)
-            losses[-1] = losses[-1] + feature_weight * feat
-            feats.append(feat.detach())
+        losses.append(loss_sum / learnable.sum().clamp(min=1))
         with torch.no_grad():  # counts stay tensors: one device sync at the end
             ok = torch.zeros_like(valid)
             ok[learnable] = pred == teacher_top[learn[learnable]]          # in vocab & correct
@@ -344,39 +314,20 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             chain = chain & agree_k        # step k+1 is conditioned on a served-like chain only
             sums["loss_count"].append(learnable.sum())
             sums["loss_sum"].append(seen_sum.double())
-        agreed = agreed & agree_k
         if k == 0 and ttt_steps > 1 and deep_fraction < 1:
             useful = torch.zeros_like(valid)
-            through = torch.ones_like(valid)      # "agreed": the data agreed on steps < j
             for j in range(1, ttt_steps):         # some deep step has a loss there
-                if deep_targets == "agreed":
-                    through = through & shift_left(agree, j, False)
-                useful |= (shift_left(learn_row, 1 + j, -1) >= 0) & through
+                useful |= shift_left(learn_row, 1 + j, -1) >= 0
             sel, keep = deep_selection(useful, deep_fraction, generator)
             hidden = hidden.gather(1, sel[..., None].expand(-1, -1, hidden.shape[-1]))
-            positions, chain, agreed = (x.gather(1, sel) for x in (positions, chain, agreed))
+            positions, chain = (x.gather(1, sel) for x in (positions, chain))
             attend.select(sel)
     weights = [step_weight_decay ** k for k in range(min(ttt_steps, loss_steps or ttt_steps))]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
     metrics = summarize(sums)
     metrics["loss"] = float(loss.detach())
-    metrics["feat_k"] = torch.stack(feats).tolist() if feats else [0.0] * ttt_steps
     return loss, metrics
-
-
-def _feature_loss(hidden: torch.Tensor, last: torch.Tensor, shift: int, sel, valid):
-    """Mean smooth-L1 between the RMS-normalised drafter outputs hidden [B, S|n, H] and the
-    verifier's last hidden states `shift` positions on (last [B, S, H], gathered at the deep
-    selection `sel` when there is one), over the `valid` [B, S|n] positions."""
-    target = shift_left(last, shift, 0)                                   # [B, S, H]
-    if sel is not None:
-        target = target.gather(1, sel[..., None].expand(-1, -1, target.shape[-1]))
-    h, y = hidden[valid].float(), target[valid].float()                   # [N, H]
-    if len(h) == 0:
-        return hidden.sum() * 0
-    unit = lambda x: torch.nn.functional.rms_norm(x, x.shape[-1:], eps=1e-6)  # unit RMS
-    return torch.nn.functional.smooth_l1_loss(unit(h), unit(y))
 
 
 def accept_lengths(cond_acc: list[float]) -> list[float]:

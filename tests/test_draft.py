@@ -230,26 +230,3 @@ def test_verifier_init_starts_as_the_verifiers_own_layer(tmp_path):
     assert not torch.equal(rand.fc.weight, drafter.fc.weight)
     with pytest.raises(ValueError, match="init must be"):
         draft.build_drafter(str(tmp_path), c, d2t, t2d, init="zeros")
-
-
-def test_a_spare_kv_group_starts_at_zero_and_changes_nothing(tmp_path):
-    """init="verifier" with more heads than the verifier (copyhead.with_copy_group): the
-    verifier's heads come first, the spare group's rows and o_proj columns are zero, so step 0
-    is the same as the drafter's without it."""
-    from transformers import AutoConfig
-    from eagle3_ray import copyhead
-    save_llama(tmp_path, tied=True)
-    c = draft.DraftConfig.from_verifier_config(AutoConfig.from_pretrained(tmp_path), 24, [1, 2, 3])
-    d2t, t2d, _ = mapping(24)
-    plain, _ = draft.build_drafter(str(tmp_path), c, d2t, t2d, init="verifier")
-    wide, _ = draft.build_drafter(str(tmp_path), copyhead.with_copy_group(c), d2t, t2d,
-                                  init="verifier")
-    a, b = wide.midlayer.self_attn, plain.midlayer.self_attn
-    assert (wide.config.num_key_value_heads, wide.config.num_attention_heads) == (3, 6)
-    for x in "qkv":
-        w, w0 = getattr(a, f"{x}_proj").weight, getattr(b, f"{x}_proj").weight
-        assert torch.equal(w[:len(w0)], w0) and not w[len(w0):].any()
-    assert torch.equal(a.o_proj.weight[:, :H], b.o_proj.weight) and not a.o_proj.weight[:, H:].any()
-    ids, aux = torch.randint(0, V, (1, 12)), torch.randn(1, 12, 3 * H)
-    pos = torch.arange(12)[None]
-    torch.testing.assert_close(wide(ids, aux, pos), plain(ids, aux, pos))

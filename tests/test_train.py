@@ -85,8 +85,7 @@ def test_killed_worker_resumes_and_a_rerun_continues_into_the_next_epoch(
     epoch, its last checkpoint taken after the epoch's last batch (every sample of it seen).
     The same command with more steps resumes from there into the next epoch. (A restarted
     worker group can also get rows that were all seen; that once failed as "no training
-    samples reached the workers".) Trained with optimizer muon: two optimizers (AdamW + Muon)
-    whose states are checkpointed and resumed together."""
+    samples reached the workers".)"""
     manifest = schema.read_manifest(dataset)
     rows = ParquetShard([f"{dataset}/{f['name']}" for f in manifest["files"]], 0.15, False, 0,
                         2).rows
@@ -94,15 +93,13 @@ def test_killed_worker_resumes_and_a_rerun_continues_into_the_next_epoch(
     assert per_epoch >= 5                          # the death at step 4 falls inside epoch 0
     out, marker = tmp_path / "run", tmp_path / "died"
     result = run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch,
-                              checkpoint_every=3, fault_injection=f"die_once:4:{marker}",
-                              optimizer="muon"))
+                              checkpoint_every=3, fault_injection=f"die_once:4:{marker}"))
     assert marker.exists()  # rank 1 really died at step 4, after the step-3 checkpoint
     assert logged_steps(out) == list(range(1, per_epoch + 1))  # step 4 redone, logged once
     assert result.metrics["step"] == per_epoch
     assert result.checkpoint.path.endswith(f"step_{per_epoch:07d}")
 
-    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2, checkpoint_every=3,
-                     optimizer="muon"))
+    run_train(config(tiny_verifier, dataset, out, max_steps=per_epoch + 2, checkpoint_every=3))
     hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [h["step"] for h in hist] == list(range(1, per_epoch + 3))
     assert hist[per_epoch - 1]["epoch"] == 0 and hist[-1]["epoch"] == 1
@@ -114,11 +111,10 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
     """parallel="fsdp": FSDP2 over gloo, each of the 2 workers holding half of the drafter's
     weights, gradients and AdamW state. The loss falls, eval runs on an unsharded copy, the
     checkpoint and the exported drafter hold whole tensors, and a rerun resumes. The steps past
-    0 run on half the positions (deep_fraction; eval on all of them). With copy_head, whose
-    seed both workers fit on the same first samples."""
+    0 run on half the positions (deep_fraction; eval on all of them)."""
     out = tmp_path / "run"
     run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=16,
-                     checkpoint_every=8, eval_every=16, deep_fraction=0.5, copy_head=True))
+                     checkpoint_every=8, eval_every=16, deep_fraction=0.5))
     hist = [json.loads(line) for line in open(out / "metrics.jsonl")]
     first = sum(h["train/loss"] for h in hist[:3]) / 3
     last = sum(h["train/loss"] for h in hist[-3:]) / 3
@@ -130,14 +126,8 @@ def test_fsdp_trains_checkpoints_whole_weights_and_resumes(ray_cluster, tiny_ver
     weights = load_file(out / "drafter" / "model.safetensors")
     assert weights["lm_head.weight"].shape == (49152, 64)
     assert weights["midlayer.mlp.down_proj.weight"].shape == (64, 128)
-    # copy_head: one more KV group (3 x 16 rows of k_proj over the 2H inputs), in the config
-    # the engines read, seeded identically on both workers (the same first samples)
-    assert weights["midlayer.self_attn.k_proj.weight"].shape == (3 * 16, 128)
-    assert weights["midlayer.self_attn.o_proj.weight"].shape == (64, 6 * 16)
-    cfg = json.loads((out / "drafter" / "config.json").read_text())
-    assert (cfg["num_key_value_heads"], cfg["num_attention_heads"]) == (3, 6)
     run_train(config(tiny_verifier, dataset, out, parallel="fsdp", max_steps=20,
-                     checkpoint_every=8, copy_head=True))
+                     checkpoint_every=8))
     assert logged_steps(out) == list(range(1, 21))
     with pytest.raises(ValueError, match="parallel must be ddp or fsdp"):
         run_train(config(tiny_verifier, dataset, tmp_path / "x", parallel="zero3"))
@@ -245,48 +235,41 @@ def test_depth_curriculum_lr_schedule_and_precision():
 
 
 def test_vocab_source_and_recompute_choices():
-    """vocab_from picks the counted column (the verifier's argmax when the dataset has it),
-    recompute follows the device, and bad values are refused before anything starts."""
+    """The draft vocab is counted over the verifier's argmax when the dataset has it, else over
+    the response tokens; recompute follows the device, and bad values are refused before
+    anything starts."""
     from eagle3_ray import train
     auto = TrainConfig(dataset="x")
-    assert train.vocab_column(auto, True) == "target_ids"
-    assert train.vocab_column(auto, False) == "input_ids"                # online, format 1
-    assert train.vocab_column(TrainConfig(dataset="x", vocab_from="tokens"), True) == "input_ids"
-    with pytest.raises(ValueError, match="target_ids"):
-        train.vocab_column(TrainConfig(dataset="x", vocab_from="targets"), False)
+    assert train.vocab_column(True) == "target_ids"
+    assert train.vocab_column(False) == "input_ids"                # online, format 1
     assert not train.recompute(auto) and train.recompute(TrainConfig(dataset="x", use_gpu=True))
     assert train.recompute(TrainConfig(dataset="x", recompute="on"))
-    for bad in ({"vocab_from": "argmax"}, {"targets": "kl"}, {"recompute": "yes"},
-                {"optimizer": "sgd"}, {"deep_targets": "chain"}):
+    for bad in ({"targets": "kl"}, {"recompute": "yes"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train.check_config(TrainConfig(dataset="x", **bad))
-    with pytest.raises(ValueError, match="muon needs whole matrices"):
-        train.check_config(TrainConfig(dataset="x", optimizer="muon", parallel="fsdp"))
 
 
-def test_muon_and_adamw_states_round_trip_through_a_checkpoint(tmp_path):
-    """optimizer muon: Muon takes the hidden matrices, AdamW lm_head and the norms; one train
-    state dict holds both optimizers' states, and loading it into fresh optimizers restores
-    them exactly (a one-process gloo group, as the Ray Train workers have)."""
+def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
+    """AdamW over every trained tensor; the train state dict holds its state, and loading it
+    into a fresh optimizer restores it exactly (a one-process gloo group, as the Ray Train
+    workers have). A drafter of other shapes is refused, naming the tensor."""
     import torch
     import torch.distributed as dist
     from eagle3_ray import train
     from eagle3_ray.draft import DraftConfig, Eagle3Drafter
     c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     intermediate_size=48, vocab_size=64, draft_vocab_size=16)
-    cfg = TrainConfig(dataset="x", optimizer="muon")
+    cfg = TrainConfig(dataset="x")
 
     def fresh():
         torch.manual_seed(0)
         m = Eagle3Drafter(c)
         return m, train.make_optimizers(cfg, m)
     model, opts = fresh()
-    adamw, muon = opts
-    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
-    names = {id(p): n for n, p in model.named_parameters()}
-    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
-    assert "midlayer.mlp.up_proj.weight" in on_muon and "fc.weight" in on_muon
-    assert not any("lm_head" in n or "norm" in n for n in on_muon)
+    (adamw,) = opts
+    assert isinstance(adamw, torch.optim.AdamW)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert [p for g in adamw.param_groups for p in g["params"]] == trained
     x = torch.randn(2, 5, 3 * 32)
     ids = torch.randint(0, 64, (2, 5))
     for _ in range(2):
@@ -301,9 +284,9 @@ def test_muon_and_adamw_states_round_trip_through_a_checkpoint(tmp_path):
         train.save_train_state(str(tmp_path), weights, opt_state, {"step": 2})
         model2, opts2 = fresh()
         assert train.load_train_state(str(tmp_path), model2, opts2) == {"step": 2}
-        # a resume with other shapes (here one more KV group: --copy-head) names the tensor
-        from eagle3_ray import copyhead
-        wide = Eagle3Drafter(copyhead.with_copy_group(c))
+        # a resume with other shapes (here one more KV group) names the tensor
+        wide = Eagle3Drafter(DraftConfig(**{**c.to_dict(), "num_key_value_heads": 3,
+                                            "num_attention_heads": 6}))
         with pytest.raises(ValueError, match=r"k_proj.weight is \(16, 64\) there and \(24, 64\)"):
             train.load_train_state(str(tmp_path), wide, train.make_optimizers(cfg, wide))
     finally:
@@ -329,8 +312,8 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
     shutil.copytree(dataset, own)
     base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,
             "max_seq_len": 96, "ttt_steps": 2, "warmup_steps": 2}
-    arms = {"soft": {**base, "targets": "soft", "vocab_from": "tokens"},
-            "hard": {**base, "deep_targets": "agreed", "max_minutes": 0.1,   # its own budget
+    arms = {"soft": {**base, "targets": "soft"},
+            "hard": {**base, "max_minutes": 0.1,                            # its own budget
                      "dataset": f"{dataset},{own}"}}                        # and data (two)
     r = sweep.run(dataset, arms, minutes=0.05, eval_depth=2, out_dir=str(tmp_path),
                   served_prompts=1, served_tokens=4, snapshots=[0.02, 5])
@@ -352,11 +335,9 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
         assert not (tmp_path / "sweep" / name / "drafter-5min").exists()
         served = run["served"]
         assert served["rounds"] > 0 and served["tokens"] > 0 and len(served["cond_acc"]) == 16
-    assert r["runs"]["hard"]["config"]["deep_targets"] == "agreed"
     assert r["runs"]["soft"]["config"]["max_minutes"] == 0.05
     assert r["runs"]["hard"]["config"]["max_minutes"] == 0.1
     assert r["runs"]["hard"]["train_s"] >= 0.1 * 60 > r["runs"]["soft"]["train_s"]
-    assert r["runs"]["soft"]["vocab_from"] == "input_ids"
-    assert r["runs"]["hard"]["vocab_from"] == "target_ids"
+    assert r["runs"]["soft"]["counted"] == r["runs"]["hard"]["counted"] == "target_ids"
     assert r["runs"]["hard"]["config"]["targets"] == "hard"
     assert (tmp_path / "sweep.json").is_file() and (tmp_path / "sweep.png").is_file()
