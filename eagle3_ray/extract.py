@@ -206,6 +206,99 @@ def regen_start(messages: list[dict]) -> list[dict]:
     return [m for m in messages[:first] if m["role"] != "assistant"] + messages[first:]
 
 
+def part_values(row: dict, aux, last, greedy, storage: str) -> dict:
+    """One sample's part-column values: its row's ids and mask, and its padded aux [>=S, 3, H],
+    last [>=S, H] and greedy [>=S] cut to its S tokens, hidden states encoded as `storage`."""
+    n = len(row["input_ids"])
+    aux_b, aux_s = schema.encode_hidden(aux[:n], storage)                      # [S, 3, H]
+    last_b, last_s = schema.encode_hidden(last[:n], storage)                   # [S, H]
+    values = {"sample_id": row["sample_id"], "input_ids": row["input_ids"],
+              "loss_mask": row["loss_mask"], "num_tokens": n, "aux_hidden_states": aux_b,
+              "last_hidden_states": last_b, "target_ids": greedy[:n].tolist()}  # [S]
+    if aux_s is not None:  # fp8_e4m3: a float32 scale per token and slot
+        values.update(aux_hidden_scales=aux_s, last_hidden_scales=last_s)      # [S, 3], [S]
+    return values
+
+
+def batch_counts(tables: list[pa.Table]) -> dict:
+    """Samples, tokens and loss (assistant) tokens in these part tables."""
+    return {"samples": sum(t.num_rows for t in tables),
+            "tokens": sum(sum(t.column("num_tokens").to_pylist()) for t in tables),
+            "loss_tokens": sum(int(pc.sum(pc.list_flatten(
+                t.column("loss_mask"))).as_py() or 0) for t in tables)}
+
+
+def regen_failed(sample_id: str, stage: str, error: Exception,
+                 skipped: collections.Counter) -> None:
+    """Count (skip reason `regen_failed`) and log a record regeneration could not use."""
+    print(f"[extract] {sample_id}: regeneration failed {stage}, record skipped "
+          f"({type(error).__name__}: {error})")
+    skipped["regen_failed"] += 1
+
+
+def turn_prompts(tok, cfg: ExtractConfig, convs: dict, sids: dict, turn: int,
+                 skipped: collections.Counter):
+    """Jobs (c, message index) for each conversation's `turn`-th answer, with their prompts,
+    max_new and seeds. A failing prompt drops its conversation; no room ends it (turn 0: drops)."""
+    jobs, prompts, max_new, seeds = [], [], [], []
+    for c, conv in list(convs.items()):
+        idx = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+        if turn >= len(idx):
+            continue
+        i = idx[turn]
+        try:
+            enc = data.prompt_ids(tok, conv[:i])
+        except Exception as e:  # noqa: BLE001 - e.g. a template refusing the roles
+            regen_failed(sids[c], f"while rendering the prompt of turn {turn}", e, skipped)
+            del convs[c]
+            continue
+        room = cfg.max_length - len(enc)
+        if room <= 0 and turn == 0:  # not even the first answer fits
+            skipped["regen_prompt_exceeds_max_length"] += 1
+            del convs[c]
+            continue
+        if room <= 0:  # no room left: the conversation ends before this turn
+            convs[c] = conv[:i]
+            continue
+        jobs.append((c, i))
+        prompts.append(enc)
+        max_new.append(min(cfg.regen_max_new_tokens, room))
+        # per-row seed: a sample's answer does not depend on which rows share its batch
+        seeds.append(zlib.crc32(f"{cfg.regen_seed}:{sids[c]}:{turn}".encode()))
+    return jobs, prompts, max_new, seeds
+
+
+def tokenize_regenerated(tok, convs: dict, sids: dict, max_length: int,
+                         skipped: collections.Counter) -> list[dict]:
+    """Regenerated conversations -> rows (sample_id, input_ids, loss_mask); a conversation with
+    no non-empty answer, or that fails to tokenize, is counted in `skipped` instead."""
+    out = []
+    for c, conv in convs.items():
+        try:
+            if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
+                raise data.SkipRecord("regenerated_empty")
+            ids, mask = data.tokenize_conversation(tok, conv, max_length)
+        except data.SkipRecord as e:
+            skipped[e.args[0]] += 1
+            continue
+        except Exception as e:  # noqa: BLE001
+            regen_failed(sids[c], "while tokenizing the result", e, skipped)
+            continue
+        out.append({"sample_id": sids[c], "input_ids": ids, "loss_mask": mask})
+    return out
+
+
+def maybe_die(fault_injection: str) -> None:
+    """Fault injection for tests: "die_once:<marker>" kills this process once (the marker file
+    remembers it), so the batch must be retried on a restarted actor; "sleep:<s>" slows down."""
+    kind, _, arg = fault_injection.partition(":")
+    if kind == "die_once" and not os.path.exists(arg):
+        open(arg, "w").close()
+        os._exit(1)
+    if kind == "sleep":
+        time.sleep(float(arg))
+
+
 class VerifierExtractor:
     """Ray Data actor holding one verifier replica (sharded over its GPUs)."""
 
@@ -242,13 +335,10 @@ class VerifierExtractor:
             if write:
                 files.append(self._write_table(t))
             if i == 0:
-                self._maybe_die()  # tests: after the first part is on disk, before the rest
+                maybe_die(self.cfg.fault_injection)  # tests: after the first part, before the rest
         if not tables:
-            self._maybe_die()
-        stats = {"samples": sum(t.num_rows for t in tables),
-                 "tokens": sum(sum(t.column("num_tokens").to_pylist()) for t in tables),
-                 "loss_tokens": sum(int(pc.sum(pc.list_flatten(
-                     t.column("loss_mask"))).as_py() or 0) for t in tables)}
+            maybe_die(self.cfg.fault_injection)
+        stats = batch_counts(tables)
         seconds = time.perf_counter() - t0
         if self.stats is not None:  # online: the throughput-balance counters
             self.stats.add.remote("extract", samples=stats["samples"], tokens=stats["tokens"],
@@ -281,31 +371,26 @@ class VerifierExtractor:
                 if r["skip_reason"]:
                     skipped[r["skip_reason"]] += 1
             rows = [r for r in rows if not r["skip_reason"]]
-        out, tables, nbytes = self._empty_part(), [], 0
+        return self._hidden_tables(rows), skipped, regen_tokens, regen_s
+
+    def _hidden_tables(self, rows: list[dict]) -> list[pa.Table]:
+        """Tokenized rows -> part tables of their hidden states, forwarded in micro-batches
+        packed to the token budget; a table closes once it holds part_bytes of hidden states."""
+        out, tables, nbytes, storage = self._empty_part(), [], 0, self.cfg.hidden_storage
         for group in pack_by_token_budget([len(r["input_ids"]) for r in rows],
                                           micro_batch_tokens(self.cfg)):
             aux, last, greedy = self._forward([rows[i]["input_ids"] for i in group])
-            for j, i in enumerate(group):
-                n = len(rows[i]["input_ids"])
-                out["sample_id"].append(rows[i]["sample_id"])
-                out["input_ids"].append(rows[i]["input_ids"])
-                out["loss_mask"].append(rows[i]["loss_mask"])
-                out["num_tokens"].append(n)
-                aux_b, aux_s = schema.encode_hidden(aux[j, :n], self.cfg.hidden_storage)  # [S,3,H]
-                last_b, last_s = schema.encode_hidden(last[j, :n], self.cfg.hidden_storage)  # [S,H]
-                out["aux_hidden_states"].append(aux_b)
-                out["last_hidden_states"].append(last_b)
-                if aux_s is not None:  # fp8_e4m3: a float32 scale per token and slot
-                    out["aux_hidden_scales"].append(aux_s)                         # [S, 3]
-                    out["last_hidden_scales"].append(last_s)                       # [S]
-                out["target_ids"].append(greedy[j, :n].tolist())                   # [S]
-                nbytes += n * schema.hidden_bytes_per_token(aux.shape[-1], self.cfg.hidden_storage)
+            for j, i in enumerate(group):  # aux [B, S, 3, H], last [B, S, H], greedy [B, S]
+                for k, v in part_values(rows[i], aux[j], last[j], greedy[j], storage).items():
+                    out[k].append(v)
+                nbytes += len(rows[i]["input_ids"]) * schema.hidden_bytes_per_token(
+                    aux.shape[-1], storage)
             if nbytes >= self.cfg.part_bytes:  # bound memory: close a table (one part each)
                 tables.append(pa.table(out, schema=self.part_schema))
                 out, nbytes = self._empty_part(), 0
         if out["sample_id"]:
             tables.append(pa.table(out, schema=self.part_schema))
-        return tables, skipped, regen_tokens, regen_s
+        return tables
 
     def _empty_table(self) -> pa.Table:
         return self.part_schema.empty_table()
@@ -340,43 +425,19 @@ class VerifierExtractor:
         across conversations (regen.BatchGenerator); then tokenize. User and system turns are
         kept; assistant turns before the first user turn are dropped (regen_start). A record
         that fails anywhere here is skipped and counted by reason; it never stops the batch."""
-        cfg, convs, sids = self.cfg, {}, {}
+        convs, sids = {}, {}
         for r in rows:  # c -> conversation still being regenerated
             try:
                 convs[len(sids)] = regen_start(json.loads(r["messages_json"]))
             except data.SkipRecord as e:
                 skipped[e.args[0]] += 1
             except Exception as e:  # noqa: BLE001 - one record never stops the job
-                self._regen_failed(r["sample_id"], "while reading messages_json", e, skipped)
+                regen_failed(r["sample_id"], "while reading messages_json", e, skipped)
             sids[len(sids)] = r["sample_id"]
         turn = 0
         while True:
-            jobs, prompts, max_new, seeds = [], [], [], []
-            for c, conv in list(convs.items()):
-                idx = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
-                if turn >= len(idx):
-                    continue
-                i = idx[turn]
-                try:
-                    enc = data.prompt_ids(self.tok, conv[:i])
-                except Exception as e:  # noqa: BLE001 - e.g. a template refusing the roles
-                    self._regen_failed(sids[c], f"while rendering the prompt of turn {turn}", e,
-                                       skipped)
-                    del convs[c]
-                    continue
-                room = cfg.max_length - len(enc)
-                if room <= 0 and turn == 0:  # not even the first answer fits
-                    skipped["regen_prompt_exceeds_max_length"] += 1
-                    del convs[c]
-                    continue
-                if room <= 0:  # no room left: the conversation ends before this turn
-                    convs[c] = conv[:i]
-                    continue
-                jobs.append((c, i))
-                prompts.append(enc)
-                max_new.append(min(cfg.regen_max_new_tokens, room))
-                # per-row seed: a sample's answer does not depend on which rows share its batch
-                seeds.append(zlib.crc32(f"{cfg.regen_seed}:{sids[c]}:{turn}".encode()))
+            jobs, prompts, max_new, seeds = turn_prompts(self.tok, self.cfg, convs, sids, turn,
+                                                         skipped)
             if not jobs:
                 break
             for (c, i), toks in zip(jobs, self._generate(prompts, max_new, seeds,
@@ -387,20 +448,7 @@ class VerifierExtractor:
                 text = self.tok.decode(toks, skip_special_tokens=True).strip()
                 convs[c][i] = {"role": "assistant", "content": text}
             turn += 1
-        out = []
-        for c, conv in convs.items():
-            try:
-                if not any(m["role"] == "assistant" and m["content"].strip() for m in conv):
-                    raise data.SkipRecord("regenerated_empty")
-                ids, mask = data.tokenize_conversation(self.tok, conv, cfg.max_length)
-            except data.SkipRecord as e:
-                skipped[e.args[0]] += 1
-                continue
-            except Exception as e:  # noqa: BLE001
-                self._regen_failed(sids[c], "while tokenizing the result", e, skipped)
-                continue
-            out.append({"sample_id": sids[c], "input_ids": ids, "loss_mask": mask})
-        return out
+        return tokenize_regenerated(self.tok, convs, sids, self.cfg.max_length, skipped)
 
     def _generate(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
                   sids: list[str], skipped: collections.Counter) -> list[list[int] | None]:
@@ -424,27 +472,9 @@ class VerifierExtractor:
             try:
                 out.append(self.generator.generate([p], [m], [s])[0])
             except Exception as e:  # noqa: BLE001
-                self._regen_failed(sid, "while generating", e, skipped)
+                regen_failed(sid, "while generating", e, skipped)
                 out.append(None)
         return out
-
-    @staticmethod
-    def _regen_failed(sample_id: str, stage: str, error: Exception,
-                      skipped: collections.Counter) -> None:
-        """Count (skip reason `regen_failed`) and log a record regeneration could not use."""
-        print(f"[extract] {sample_id}: regeneration failed {stage}, record skipped "
-              f"({type(error).__name__}: {error})")
-        skipped["regen_failed"] += 1
-
-    def _maybe_die(self):
-        """Fault injection for tests: kill this actor process once, after the forward and
-        before the write, so the batch must be retried on a restarted actor; or slow down."""
-        kind, _, arg = self.cfg.fault_injection.partition(":")
-        if kind == "die_once" and not os.path.exists(arg):
-            open(arg, "w").close()
-            os._exit(1)
-        if kind == "sleep":
-            time.sleep(float(arg))
 
 
 def existing_parts(fs, root: str, facts: dict) -> dict[str, str]:

@@ -222,6 +222,82 @@ def _attention(model, name: str):
         model.set_attn_implementation(old)
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> (ids [B, S] left-padded with pad_id, attention mask [B, S]), on the CPU."""
+    s = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), s), pad_id, dtype=torch.long)        # [B, S] left-padded
+    mask = torch.zeros((len(prompts), s), dtype=torch.long)              # [B, S]
+    for i, p in enumerate(prompts):
+        ids[i, s - len(p):] = torch.tensor(p)
+        mask[i, s - len(p):] = 1
+    return ids, mask
+
+
+def prefill_runs(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """Lengths, longest first -> runs [r0, r1) prefilled together: padding <= 10% of the run's
+    longest, (r1 - r0) x longest <= max_tokens (a lone row may exceed it)."""
+    runs, r0 = [], 0
+    while r0 < len(lengths):
+        r1 = r0 + 1
+        while (r1 < len(lengths) and lengths[r1] >= 0.9 * lengths[r0]
+               and (r1 + 1 - r0) * lengths[r0] <= max_tokens):
+            r1 += 1
+        runs.append((r0, r1))
+        r0 = r1
+    return runs
+
+
+def prefill_inputs(prompts: list[list[int]], pad_id: int, dev):
+    """One prefill run's prompts -> ids [b, ss] (left-padded), position ids [b, ss] (0 at each
+    row's first real token) and the additive fp32 attention mask [b, 1, ss, ss]."""
+    ids = left_pad(prompts, pad_id)[0].to(dev)                           # [b, ss]
+    ss = ids.shape[1]                                                    # the run's longest
+    lens = torch.tensor([len(p) for p in prompts], device=dev)           # [b]
+    pos = (torch.arange(ss, device=dev)[None] - (ss - lens)[:, None]).clamp(min=0)
+    real = torch.arange(ss, device=dev)[None] >= (ss - lens)[:, None]    # [b, ss]
+    # causal, real keys only; a pad query sees itself (never an empty row)
+    causal = torch.ones((ss, ss), dtype=torch.bool, device=dev).tril()   # [ss, ss]
+    allowed = causal[None] & real[:, None]                               # [b, ss, ss]
+    allowed |= torch.eye(ss, dtype=torch.bool, device=dev)[None]         # [b, ss, ss]
+    mask = torch.zeros((len(prompts), 1, ss, ss), dtype=torch.float32, device=dev)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)  # [b, 1, ss, ss]
+    return ids, pos, mask
+
+
+def decode_bias(lens: torch.Tensor, s: int, total: int) -> torch.Tensor:
+    """Prompt lengths [B] (right-aligned to end at column s) -> additive fp32 bias [B, total]
+    over the whole buffer: left padding and the columns not yet written are masked."""
+    valid = torch.arange(total, device=lens.device)[None] >= (s - lens)[:, None]  # [B, S + new]
+    valid[:, s:] = False               # column s + t is unmasked when step t writes it
+    bias = torch.zeros((len(lens), total), dtype=torch.float32, device=lens.device)
+    bias.masked_fill_(~valid, torch.finfo(torch.float32).min)            # [B, S + new]
+    return bias
+
+
+def pick_next(logits: torch.Tensor, gens, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [b, V] -> next token [b]: argmax (gens None), else a temperature/top-p sample
+    per row from its own generator."""
+    if gens is None:
+        return logits.float().argmax(-1)  # (a CPU argmax over bf16 is ~2x slower)
+    probs = (logits.float() / temperature).softmax(-1)                   # [b, V]
+    if top_p < 1.0:
+        sp, si = probs.sort(-1, descending=True)                         # [b, V]
+        cut = (sp.cumsum(-1) - sp) >= top_p   # keep the smallest prefix reaching p
+        sp = sp.masked_fill(cut, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g)
+                      for i, g in enumerate(gens)])                      # [b]
+
+
+def unsort_rows(tokens: torch.Tensor, order: list[int]) -> list[list[int]]:
+    """tokens [B, new] (-1: none) of the rows sorted by `order` -> each row's token list, in
+    the caller's order (sorted row k goes to order[k])."""
+    out = [None] * len(order)
+    for i, row in zip(order, tokens.cpu().tolist()):
+        out[i] = [x for x in row if x >= 0]
+    return out
+
+
 class BatchGenerator:
     """Generates for many prompts at once with one verifier (see the module docstring)."""
 
@@ -276,125 +352,76 @@ class BatchGenerator:
     # --- one batch, fast path ---------------------------------------------------------------
 
     def _batch(self, prompts, max_new, seeds) -> list[list[int]]:
-        dev, b = self.device, len(prompts)
-        order = sorted(range(b), key=lambda i: -len(prompts[i]))  # longest first
+        """One batch: sorted longest first, prefilled into preallocated KV buffers, decoded."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first
         prompts = [prompts[i] for i in order]
         max_new, seeds = [max_new[i] for i in order], [seeds[i] for i in order]
-        s, steps = len(prompts[0]), max(max_new)
-        total = s + steps
-        lens = torch.tensor([len(p) for p in prompts], device=dev)           # [B]
-        # decode attends the whole buffer: left padding and the columns not yet written are
-        # masked; column s + t is unmasked when step t writes it
-        valid = torch.arange(total, device=dev)[None] >= (s - lens)[:, None]  # [B, S + new]
-        valid[:, s:] = False
-        bias = torch.zeros((b, total), dtype=torch.float32, device=dev)      # [B, S + new]
-        bias.masked_fill_(~valid, torch.finfo(torch.float32).min)
-
+        s = len(prompts[0])
         # KV buffers for the whole batch; each row's prompt right-aligned to end at column s
         layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
-        bufs = KVBuffers(b, total, layers)
-
-        gens = self._generators(seeds)
-        limit = torch.tensor(max_new, device=dev)                            # [B]
-        eos = torch.tensor(self.eos_ids or [-1], device=dev)
-        rows = torch.arange(b, device=dev)              # batch slot -> row (after compaction)
-        done = torch.zeros(b, dtype=torch.bool, device=dev)
-        tokens = torch.full((b, steps), -1, dtype=torch.long, device=dev)    # [B, new]
+        bufs = KVBuffers(len(prompts), s + max(max_new), layers)
         tp = time.perf_counter()
         with _attention(self.model, REGEN_ATTENTION):
             logits = self._prefill(prompts, s, bufs)                         # [B, V]
             self.stats.prefill_s += time.perf_counter() - tp
-            cache = bufs.cache(filled=s, whole=True)
-            for t in range(steps):
-                nxt = self._pick(logits, gens)                               # [b]
-                nxt = torch.where(done, self.pad_id, nxt)
-                tokens[rows, t] = torch.where(done, -1, nxt)
-                done = done | torch.isin(nxt, eos) | (t + 1 >= limit)
-                if t + 1 == steps or bool(done.all()):
-                    break
-                if self.cfg.compact_below > 0 and \
-                        int(done.sum()) >= (1 - self.cfg.compact_below) * len(done):
-                    keep = (~done).nonzero().squeeze(1)                      # [b']
-                    bufs.select(keep)                                        # [b', nkv, T, D]
-                    nxt, bias, lens, limit = nxt[keep], bias[keep], lens[keep], limit[keep]
-                    rows, done = rows[keep], done[keep]
-                    gens = [gens[i] for i in keep.tolist()] if gens else gens
-                bias[:, s + t] = 0.0
-                logits = self.model(input_ids=nxt[:, None], position_ids=(lens + t)[:, None],
-                                    attention_mask=bias[:, None, None, :],   # [b, 1, 1, S + new]
-                                    cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-                self.stats.forwards += 1
-        out = [None] * b
-        for i, row in zip(order, tokens.cpu().tolist()):
-            out[i] = [x for x in row if x >= 0]
-        return out
+            tokens = self._decode(logits, bufs, s, [len(p) for p in prompts], max_new, seeds)
+        return unsort_rows(tokens, order)
 
     def _prefill(self, prompts, s, bufs: KVBuffers) -> torch.Tensor:
         """Prompts (longest first) -> last-position logits [B, V]; their K/V written into the
         batch buffers, right-aligned at column s. Forwards over runs of similar lengths (padding
         <= 10%, <= cfg.prefill_tokens each), so left padding costs little compute."""
-        dev, neg = self.device, torch.finfo(torch.float32).min
-        logits, r0 = [], 0
-        while r0 < len(prompts):
-            ss = len(prompts[r0])
-            r1 = r0 + 1
-            while (r1 < len(prompts) and len(prompts[r1]) >= 0.9 * ss
-                   and (r1 + 1 - r0) * ss <= self.cfg.prefill_tokens):
-                r1 += 1
-            sub = prompts[r0:r1]
-            ids = torch.full((len(sub), ss), self.pad_id, dtype=torch.long)  # [b, ss] left-padded
-            for i, p in enumerate(sub):
-                ids[i, ss - len(p):] = torch.tensor(p)
-            lens = torch.tensor([len(p) for p in sub], device=dev)           # [b]
-            pos = (torch.arange(ss, device=dev)[None] - (ss - lens)[:, None]).clamp(min=0)
-            real = torch.arange(ss, device=dev)[None] >= (ss - lens)[:, None]  # [b, ss]
-            # causal, real keys only; a pad query sees itself (never an empty row)
-            causal = torch.ones((ss, ss), dtype=torch.bool, device=dev).tril()   # [ss, ss]
-            allowed = causal[None] & real[:, None]                           # [b, ss, ss]
-            allowed |= torch.eye(ss, dtype=torch.bool, device=dev)[None]     # [b, ss, ss]
-            mask = torch.zeros((len(sub), 1, ss, ss), dtype=torch.float32, device=dev)
-            mask.masked_fill_(~allowed[:, None], neg)                        # [b, 1, ss, ss]
-            logits.append(self.model(input_ids=ids.to(dev), position_ids=pos,
-                                     attention_mask=mask, cache=bufs.cache(r0, r1, s - ss),
-                                     use_cache=True,
+        logits = []
+        for r0, r1 in prefill_runs([len(p) for p in prompts], self.cfg.prefill_tokens):
+            ids, pos, mask = prefill_inputs(prompts[r0:r1], self.pad_id, self.device)
+            logits.append(self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                                     cache=bufs.cache(r0, r1, s - ids.shape[1]), use_cache=True,
                                      logits_to_keep=1).logits[:, -1])        # [b, V]
             self.stats.forwards += 1
-            r0 = r1
         return torch.cat(logits)                                             # [B, V]
 
-    def _generators(self, seeds):
-        if self.cfg.temperature <= 0:
-            return None
-        gens = []
-        for sd in seeds:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(int(sd) & 0xFFFF_FFFF_FFFF)
-            gens.append(g)
-        return gens
-
-    def _pick(self, logits: torch.Tensor, gens) -> torch.Tensor:
-        """logits [b, V] -> next token [b]: argmax, or a temperature/top-p sample per row."""
-        if gens is None:
-            return logits.float().argmax(-1)  # (a CPU argmax over bf16 is ~2x slower)
-        probs = (logits.float() / self.cfg.temperature).softmax(-1)          # [b, V]
-        if self.cfg.top_p < 1.0:
-            sp, si = probs.sort(-1, descending=True)                         # [b, V]
-            cut = (sp.cumsum(-1) - sp) >= self.cfg.top_p   # keep the smallest prefix reaching p
-            sp = sp.masked_fill(cut, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-        return torch.cat([torch.multinomial(probs[i], 1, generator=g)
-                          for i, g in enumerate(gens)])                      # [b]
+    def _decode(self, logits, bufs: KVBuffers, s: int, lengths: list[int], max_new: list[int],
+                seeds: list[int]) -> torch.Tensor:
+        """Prefill logits [B, V] -> new tokens [B, new] (-1 after a row's end): one forward per
+        token for the live rows, finished rows shed once they are (1 - compact_below) of them."""
+        dev, b, steps, cfg = self.device, len(lengths), max(max_new), self.cfg
+        lens = torch.tensor(lengths, device=dev)                             # [B]
+        bias = decode_bias(lens, s, s + steps)                               # [B, S + new]
+        gens = None  # greedy; sampling: one generator per row, seeded with the row's seed
+        if cfg.temperature > 0:
+            gens = [torch.Generator(device=dev).manual_seed(int(sd) & 0xFFFF_FFFF_FFFF)
+                    for sd in seeds]
+        limit = torch.tensor(max_new, device=dev)                            # [B]
+        eos = torch.tensor(self.eos_ids or [-1], device=dev)
+        rows = torch.arange(b, device=dev)              # batch slot -> row (after compaction)
+        done = torch.zeros(b, dtype=torch.bool, device=dev)
+        tokens = torch.full((b, steps), -1, dtype=torch.long, device=dev)    # [B, new]
+        cache = bufs.cache(filled=s, whole=True)
+        for t in range(steps):
+            nxt = pick_next(logits, gens, cfg.temperature, cfg.top_p)        # [b]
+            nxt = torch.where(done, self.pad_id, nxt)
+            tokens[rows, t] = torch.where(done, -1, nxt)
+            done = done | torch.isin(nxt, eos) | (t + 1 >= limit)
+            if t + 1 == steps or bool(done.all()):
+                break
+            if cfg.compact_below > 0 and int(done.sum()) >= (1 - cfg.compact_below) * len(done):
+                keep = (~done).nonzero().squeeze(1)                          # [b']
+                bufs.select(keep)                                            # [b', nkv, T, D]
+                nxt, bias, lens, limit = nxt[keep], bias[keep], lens[keep], limit[keep]
+                rows, done = rows[keep], done[keep]
+                gens = [gens[i] for i in keep.tolist()] if gens else gens
+            bias[:, s + t] = 0.0
+            logits = self.model(input_ids=nxt[:, None], position_ids=(lens + t)[:, None],
+                                attention_mask=bias[:, None, None, :],       # [b, 1, 1, S + new]
+                                cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            self.stats.forwards += 1
+        return tokens
 
     # --- one batch, transformers' generate (architectures outside the fast path) -------------
 
     def _batch_hf(self, prompts, max_new, seeds) -> list[list[int]]:
-        s = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), s), self.pad_id, dtype=torch.long)  # [B, S] left-padded
-        mask = torch.zeros((len(prompts), s), dtype=torch.long)              # [B, S]
-        for i, p in enumerate(prompts):
-            ids[i, s - len(p):] = torch.tensor(p)
-            mask[i, s - len(p):] = 1
-        sample = self.cfg.temperature > 0
+        ids, mask = left_pad(prompts, self.pad_id)                           # [B, S], [B, S]
+        s, sample = ids.shape[1], self.cfg.temperature > 0
         if sample:
             torch.manual_seed(int(seeds[0]) & 0xFFFF_FFFF_FFFF)
         gen = self.model.generate(
@@ -422,14 +449,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: in
     bench regen (batch 1 = one prompt at a time)."""
     out = []
     for k in range(0, len(prompts), batch):
-        chunk = prompts[k:k + batch]
-        s = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), s), pad_id, dtype=torch.long)          # [B, S] left-padded
-        mask = torch.zeros((len(chunk), s), dtype=torch.long)                # [B, S]
-        for i, p in enumerate(chunk):
-            ids[i, s - len(p):] = torch.tensor(p)
-            mask[i, s - len(p):] = 1
-        dev = model.get_input_embeddings().weight.device
+        ids, mask = left_pad(prompts[k:k + batch], pad_id)                  # [B, S], [B, S]
+        s, dev = ids.shape[1], model.get_input_embeddings().weight.device
         with torch.inference_mode():
             gen = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                                  max_new_tokens=max_new_tokens, do_sample=False,

@@ -220,6 +220,21 @@ def test_extractor_tokenizes_raw_batches_as_the_tokenize_stage_does(tiny_verifie
     assert pa.concat_tables(inline).equals(pa.concat_tables(staged))
 
 
+def test_part_values_fill_the_part_schema():
+    """One sample's column values, cut from padded hidden states; the batch counts."""
+    import pyarrow as pa
+    from eagle3_ray import extract
+    row = {"sample_id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
+    aux, last, greedy = torch.randn(5, 3, 8), torch.randn(5, 8), torch.arange(5)  # padded to 5
+    for storage in schema.HIDDEN_STORAGES:
+        v = extract.part_values(row, aux, last, greedy, storage)
+        assert set(v) == set(schema.schema_for(storage).names)
+        assert v["num_tokens"] == 3 and v["target_ids"] == [0, 1, 2]
+        assert v["aux_hidden_states"] == schema.encode_hidden(aux[:3], storage)[0]
+    t = pa.table({k: [x] for k, x in v.items()}, schema=schema.schema_for(storage))
+    assert extract.batch_counts([t, t]) == {"samples": 2, "tokens": 6, "loss_tokens": 4}
+
+
 def test_offline_cpu_replicas_run_at_niceness_zero(ray_cluster, tiny_verifier):
     """Ray starts workers at niceness 15; an offline CPU replica's runtime_env asks for 0 (a real
     Ray actor reports its niceness). GPU and online replicas keep Ray's default."""

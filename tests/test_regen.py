@@ -85,6 +85,19 @@ def test_length_batches_respect_budget():
     assert regen.length_batches([500], [100], 100, 4) == [[0]]  # a lone row may exceed it
 
 
+def test_fast_path_steps():
+    """The fast path's pure steps: prefill runs, left padding, the decode bias, un-sorting."""
+    assert regen.prefill_runs([100, 95, 91, 89, 50, 50], 400) == [(0, 3), (3, 4), (4, 6)]
+    assert regen.prefill_runs([100] * 5, 250) == [(0, 2), (2, 4), (4, 5)]   # token cap
+    ids, mask = regen.left_pad([[1, 2], [3]], pad_id=9)
+    assert ids.tolist() == [[1, 2], [9, 3]] and mask.tolist() == [[1, 1], [0, 1]]
+    neg = torch.finfo(torch.float32).min                # prompts end at column 2, 2 new columns
+    assert regen.decode_bias(torch.tensor([2, 1]), 2, 4).tolist() == [[0, 0, neg, neg],
+                                                                      [neg, 0, neg, neg]]
+    assert regen.unsort_rows(torch.tensor([[5, -1], [6, 7]]), [1, 0]) == [[6, 7], [5]]
+    assert regen.pick_next(torch.tensor([[0.0, 2.0, 1.0]]), None, 0.0, 1.0).tolist() == [1]
+
+
 def test_regen_start_rule():
     sys_, u, a = ({"role": r, "content": r[0]} for r in ("system", "user", "assistant"))
     from eagle3_ray.extract import regen_start
