@@ -66,7 +66,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3_ray import __version__, schema, verifier
+from eagle3_ray import __version__, draft, schema, verifier
 from eagle3_ray.draft import DraftConfig
 from eagle3_ray.vocab import check_mapping
 
@@ -507,3 +507,35 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
         config = _speculators_config(cfg, dtype, vdir, k)
     _write_dir(out_dir, tensors, config, None)
     return os.path.abspath(out_dir)
+
+
+def check_names(model, state: dict, where: str) -> None:
+    """Saved drafter weights name exactly the drafter's tensors, with the drafter's shapes,
+    the frozen embedding (the verifier's, rebuilt on load) optional."""
+    frozen = {"embed_tokens.weight"}
+    mine = model.state_dict()
+    missing, unexpected = sorted(set(mine) - frozen - set(state)), sorted(set(state) - set(mine))
+    if missing or unexpected:
+        raise ValueError(f"{where}: weights do not fit the drafter "
+                         f"(missing {missing}, unexpected {unexpected})")
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(mine[name].shape):       # DTensor: the whole tensor's shape
+            raise ValueError(f"{where}: {name} is {tuple(t.shape)} there and "
+                             f"{tuple(mine[name].shape)} in this drafter (resume with the "
+                             "settings the run started with)")
+
+
+def load_weights(model, state: dict, where: str) -> None:
+    """Load drafter weights saved without the frozen embedding into a plain module."""
+    check_names(model, state, where)
+    model.load_state_dict(state, strict=False)
+
+
+def load_trained_drafter(drafter_dir: str, spec: str | None = None, teacher_check: bool = False):
+    """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier
+    (`spec`, default: the one it was trained with); see draft.build_drafter for teacher_check."""
+    state, dcfg, meta = load_drafter(drafter_dir)
+    drafter, teacher = draft.build_drafter(spec or meta["verifier"], dcfg, state["d2t"],
+                                           state["t2d"], teacher_check=teacher_check)
+    load_weights(drafter, state, drafter_dir)
+    return drafter.eval(), teacher, meta

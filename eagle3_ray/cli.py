@@ -102,28 +102,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
     p.add_argument("--deep-fraction", type=float, default=d["deep_fraction"],
                    help="run the TTT steps past 0 on this random share of positions (cheaper)")
-    p.add_argument("--feature-weight", type=float, default=d["feature_weight"],
-                   help="add a regression of each step's output to the verifier's last hidden "
-                        "state, with this weight (0 = off)")
-    p.add_argument("--deep-targets", choices=("all", "agreed"), default=d["deep_targets"],
-                   help="TTT steps past 0 learn everywhere (all) or only where the data's tokens "
-                        "are the verifier's greedy ones (agreed: the chains a server continues)")
-    p.add_argument("--optimizer", choices=("adamw", "muon"), default=d["optimizer"],
-                   help="adamw, or muon: torch's Muon on the hidden matrices, AdamW on lm_head "
-                        "and norms (same lr)")
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
-    p.add_argument("--vocab-from", choices=("auto", "targets", "tokens"), default=d["vocab_from"],
-                   help="count the draft vocab over the verifier's argmax (targets) or the "
-                        "response tokens; auto: targets when the dataset stores them")
     p.add_argument("--targets", choices=("soft", "hard"), default=d["targets"],
                    help="loss target: the teacher's distribution or its argmax")
     p.add_argument("--recompute", choices=("auto", "on", "off"), default=d["recompute"],
                    help="recompute attention + logits in backward (auto: on GPUs only)")
     p.add_argument("--init", choices=("verifier", "random"), default=d["init"],
                    help="start fc + the decoder layer from the verifier or from noise")
-    p.add_argument("--copy-head", action="store_true", default=d["copy_head"],
-                   help="add one KV group seeded as a copy (induction) head, fitted on the first "
-                        "64 training samples (init verifier, a dataset on disk)")
     p.add_argument("--max-steps", type=int, default=d["max_steps"])
     p.add_argument("--max-epochs", type=int, default=d["max_epochs"])
     p.add_argument("--max-minutes", type=float, default=d["max_minutes"],
@@ -352,13 +337,14 @@ def cmd_bench(a):
         bench.bench_train(out_dir=a.out)
         return
     if a.what == "serve":  # the server's decoder in-process, no Ray
-        bench.bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8,
-                          max_tokens=a.max_tokens, out_dir=a.out, simulate=a.simulate,
-                          dynamic=not a.no_dynamic, peers=not a.no_peers,
-                          prompt_lookup=tuple(a.prompt_lookup_tokens), num_gpus=a.gpus,
-                          branches=tuple(a.branches), lookup_depths=tuple(a.lookup_depths),
-                          lookup_branches=tuple(a.lookup_branches),
-                          **({"depths": tuple(a.depths)} if a.depths else {}))
+        from eagle3_ray.bench_serve import bench_serve
+        bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8, max_tokens=a.max_tokens,
+                    out_dir=a.out, simulate=a.simulate, dynamic=not a.no_dynamic,
+                    peers=not a.no_peers, prompt_lookup=tuple(a.prompt_lookup_tokens),
+                    num_gpus=a.gpus, branches=tuple(a.branches),
+                    lookup_depths=tuple(a.lookup_depths),
+                    lookup_branches=tuple(a.lookup_branches),
+                    **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray
         from eagle3_ray import sweep
@@ -416,8 +402,8 @@ def parse_fields(items: list[str]) -> dict:
 
 
 def cmd_profile(a):
-    from eagle3_ray import planner
-    prof = planner.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
+    from eagle3_ray import planner, profile
+    prof = profile.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
                                    context=a.context, reps=a.reps, name=a.name)
     planner.save_profile(prof, a.out)
     ms = prof.verify_ms
@@ -481,7 +467,7 @@ def plan_sweep(a):
     print(f"[plan] -> {a.out}/sweep.json")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle3-ray", description="Deep EAGLE-3 drafters on Ray.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -562,8 +548,11 @@ def main(argv=None) -> int:
     n.add_argument("--ttt", type=int, help="bench quality JSON: the drafter with this ttt_steps")
     n.add_argument("--out", default="runs/plan")
     n.set_defaults(fn=cmd_plan)
+    return p
 
-    a = p.parse_args(argv)
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     return run_main(a.fn, a)
 
 

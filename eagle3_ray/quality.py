@@ -38,7 +38,7 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
     tau_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} a_j for d = 0..depth, and the measured
     acceptance length (tokens per verify round at `depth`)."""
     from eagle3_ray import planner, speculate
-    from eagle3_ray.train import load_trained_drafter
+    from eagle3_ray.checkpoint import load_trained_drafter
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     check_unseen(drafter_dir, meta)
     spec = spec or meta["verifier"]

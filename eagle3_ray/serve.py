@@ -38,6 +38,7 @@ from eagle3_ray import checkpoint, data, planner, speculate, verifier as verifie
 # Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
 # serve.parse_metrics stays for the demo and tests that read /metrics.
 from eagle3_ray.planner import parse_metrics  # noqa: F401
+from eagle3_ray.profile import measure_speculator
 
 log = logging.getLogger("ray.serve")
 
@@ -261,7 +262,7 @@ def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
     if cfg.profile:
         profile = planner.load_profile(cfg.profile)
     else:   # measured here, on this replica's verifier and drafter
-        verify_ms, draft_ms = planner.measure_speculator(spec, cfg.max_depth + 1, reps=3)
+        verify_ms, draft_ms = measure_speculator(spec, cfg.max_depth + 1, reps=3)
         profile = planner.single_device_profile("this replica", verify_ms, draft_ms,
                                                 spec.model.config)
     if node:
@@ -297,7 +298,7 @@ class Engine:
         model = verifier_lib.load_verifier(cfg.verifier, num_gpus=int(cfg.gpus_per_replica))
         drafter = None
         if cfg.drafter:
-            from eagle3_ray.train import load_trained_drafter
+            from eagle3_ray.checkpoint import load_trained_drafter
             drafter = load_trained_drafter(cfg.drafter, cfg.verifier)[0]
         self.spec = speculate.Speculator(model, drafter)
         if self.spec.few_row_kernels:

@@ -15,7 +15,7 @@ Depth 0 is plain decoding through the same code (no drafter, a 1-token verify), 
 Branches (greedy only): the round drafts `branches` chains that fork at the first draft, the
 drafter's top-k first tokens each continued greedily (one batched drafter step per depth), and
 verifies them in ONE verifier forward: [x, chain 1, chain 2, ...], each chain attending to the
-cache, x and its own earlier drafts only (verifier.tree_layout). The longest accepted chain
+cache, x and its own earlier drafts only (kernels.tree_layout). The longest accepted chain
 wins; the cache keeps x and its accepted drafts. It pays where a verify of k·D+1 tokens costs
 about what D+1 do (a PCIe node, where all-reduce latency sets the cost); on a 2-core CPU each
 path's gathered keys cost more than the top-2..k first-token hits bring (docs/serve.md).
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from eagle3_ray import verifier as verifier_lib
+from eagle3_ray import kernels, verifier as verifier_lib
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,142 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tenso
     return p
 
 
+# --- a round's pieces that need no model ---------------------------------------------------------
+
+def pick(logits: torch.Tensor, sp: SamplingParams, gen) -> int:
+    """[V] logits -> the verifier's token: argmax (greedy) or a sample of probs()."""
+    if sp.temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(probs(logits, sp.temperature, sp.top_p), 1, generator=gen)[0])
+
+
+def accept_chain(drafts, qs, logits, sp: SamplingParams, gen) -> tuple[int, int]:
+    """Acceptance of a chain verify (logits [d+1, V]) -> (accepted drafts a, the verifier's token
+    after them). Greedy: the longest prefix equal to the argmax; sampling: rejection sampling."""
+    if sp.temperature == 0:
+        target = logits.argmax(-1).tolist()                            # [d+1]
+        a = 0
+        while a < len(drafts) and drafts[a] == target[a]:
+            a += 1
+        return a, target[a]
+    for i, (tok, q) in enumerate(zip(drafts, qs)):
+        p = probs(logits[i], sp.temperature, sp.top_p)                 # [V]
+        u = torch.rand((), generator=gen, device=p.device)
+        if u * q[tok] < p[tok]:                                        # u < p/q
+            continue
+        resid = (p - q).clamp(min=0)                                   # [V]
+        if float(resid.sum()) <= 0:                                    # p == q numerically
+            resid = p
+        return i, int(torch.multinomial(resid / resid.sum(), 1, generator=gen)[0])
+    return len(drafts), pick(logits[len(drafts)], sp, gen)
+
+
+def accept_tree(ids: list[int], paths: list[list[int]],
+                logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy acceptance of a tree verify -> (the winning path's accepted prefix: indices into
+    ids, the root x, then its accepted drafts; the winner's index in paths, -1 if no draft was
+    accepted): the longest run of drafts that each equal the verifier's argmax at their
+    parent; the first longest wins a tie."""
+    target = logits.argmax(-1).tolist()                                # [s]
+    best, won = [0], -1
+    for i, path in enumerate(paths):
+        a = 1
+        while a < len(path) and ids[path[a]] == target[path[a - 1]]:
+            a += 1
+        if a > len(best):
+            best, won = path[:a], i
+    return best, won
+
+
+def keep_cache(cache: DynamicCache, n: int, keep: list[int]) -> None:
+    """Rollback: keep, of the cached positions from n on, those at offsets `keep` (ascending, 0
+    first), moved to n, n+1, ...; drop the rest (rejected and other chains' drafts)."""
+    if keep != list(range(len(keep))):
+        idx = torch.tensor(keep, device=cache.layers[0].keys.device) + n
+        for layer in cache.layers:                                     # [1, nkv, L, D]
+            layer.keys[:, :, n:n + len(keep)] = layer.keys[:, :, idx]
+            layer.values[:, :, n:n + len(keep)] = layer.values[:, :, idx]
+    cache.crop(-(cache.get_seq_length() - (n + len(keep))))  # tokens to remove
+
+
+def emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s,
+         draft_probs=(), branches: int = 1, lookup: bool = False) -> Round:
+    """A round's Round, its tokens cut at EOS (left out) or at max_tokens."""
+    reason = None
+    for i, t in enumerate(tokens):
+        if t in sp.eos_ids:
+            tokens, reason = tokens[:i], "stop"   # EOS ends the text and is not part of it
+            break
+    if reason is None and emitted + len(tokens) >= sp.max_tokens:
+        tokens, reason = tokens[:sp.max_tokens - emitted], "length"
+    return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s, draft_probs,
+                 branches, lookup)
+
+
+# --- exactness on this host (Speculator.check_exact, .inexact_reason) --------------------------
+
+EXACT_CACHED = (29, 58)               # cache lengths check_exact verifies after: the keys of its
+                                      # verifies cross a 32-key block (AMX) or not
+EXACT_PATHS = [[0, 1, 2, 3], [0, 4, 5], [0, 6]]   # check_exact's tree: 3 paths, 2 padded
+
+
+@torch.inference_mode()
+def check_exact(spec: Speculator, seed: int = 0) -> dict[str, bool]:
+    """Whether, on this host's kernels, the verifier computes what decoding does: "chain", a
+    4-token verify against 4 one-token forwards; "tree", each path of a 3-path tree verify
+    (EXACT_PATHS) against that path verified as a chain. Random tokens after a random cache
+    of each length in EXACT_CACHED. Bit for bit when batch invariant (bf16: what greedy
+    equality needs), else to 1e-3 (fp32 rounds differently per token count anyway, ~1e-6).
+    Costs ~20 verifier forwards, once per Speculator. Kernels, not host kinds, decide: a
+    bf16 tree verify was not exact on AVX2-only CPUs until kernels._tree_attention's
+    token-at-a-time path stopped attending to its padding (issue 48)."""
+    comm, spec.simulated_comm = spec.simulated_comm, None    # no simulated node here
+    try:
+        return _check_exact(spec, seed)
+    finally:
+        spec.simulated_comm = comm
+
+
+def _check_exact(spec: Speculator, seed: int) -> dict[str, bool]:
+    g = torch.Generator().manual_seed(seed)
+    same = torch.equal if spec.batch_invariant else functools.partial(
+        torch.allclose, rtol=1e-3, atol=1e-3)
+    width = max(map(len, EXACT_PATHS))
+    ok = {"chain": True, "tree": True}
+    for cached in EXACT_CACHED:
+        ids = torch.randint(spec.model.config.vocab_size, (cached + 7,), generator=g).tolist()
+        new, cache = ids[cached:], DynamicCache()
+        spec._verify(ids[:cached], cache, last_only=True)
+
+        def verify(tokens, **kw):              # after the same `cached` keys each time
+            out = spec._verify(tokens, cache, **kw)[0]
+            cache.crop(cached - cache.get_seq_length())
+            return out
+
+        steps = [spec._verify([t], cache)[0] for t in new[:width]]   # decoding, 1 a forward
+        cache.crop(cached - cache.get_seq_length())
+        ok["chain"] &= same(verify(new[:width]), torch.cat(steps))          # [4, V]
+        tree = verify(new, tree_paths=EXACT_PATHS)                           # [7, V]
+        for p in EXACT_PATHS:
+            ok["tree"] &= same(tree[p], verify([new[i] for i in p]))
+    return ok
+
+
+def inexact_reason(spec: Speculator, path: str) -> str:
+    """Why check_exact's `path` ("chain" or "tree") is not exact here, and what to do."""
+    dtype = str(next(spec.model.parameters()).dtype).removeprefix("torch.")
+    what, other, instead = {
+        "chain": ("a verify of several tokens", "those tokens decoded one at a time",
+                  "serve at depth 0"),
+        "tree": ("a tree verify", "its paths verified as chains",
+                 "use chains (branches 1, no lookup branch)")}[path]
+    if spec.batch_invariant and spec.device.type == "cpu":
+        instead += ", or run the verifier in fp32 (EAGLE3_RAY_NATIVE_BF16=0)"
+    return (f"on this host's kernels {what} of the {dtype} verifier does not compute what "
+            f"{other} do (Speculator.check_exact, on random tokens at start-up), so greedy "
+            f"output could differ from the verifier's: {instead}")
+
+
 class Speculator:
     """A verifier (a transformers causal LM) and an optional EAGLE-3 drafter (draft.py), sharing
     a device. generate() decodes one request and yields a Round per verifier forward."""
@@ -200,7 +336,7 @@ class Speculator:
                  batch_invariant: bool | None = None, simulated_comm=None):
         """The drafter moves to the verifier's device and dtype. batch_invariant (default: when
         the verifier runs in bf16/fp16) makes the verifier's outputs independent of the number
-        of tokens per forward, for exact greedy equality (verifier.make_batch_invariant). Both
+        of tokens per forward, for exact greedy equality (kernels.make_batch_invariant). Both
         models' linear layers then run on CPU kernels suited to few rows (verifier.
         use_few_row_kernels; they keep a packed copy of the weights).
         simulated_comm: a SIMULATION of a multi-GPU node's interconnect, (tokens in a verifier
@@ -211,14 +347,14 @@ class Speculator:
         if batch_invariant is None:
             batch_invariant = p.dtype in (torch.bfloat16, torch.float16)
         if batch_invariant:
-            verifier_lib.make_batch_invariant(model)
+            kernels.make_batch_invariant(model)
         else:                                      # fp32: the fastest kernel for each row count
-            verifier_lib.use_few_row_kernels(model)
-            verifier_lib.allow_trees(model)        # SDPA, and trees for branches > 1
+            kernels.use_few_row_kernels(model)
+            kernels.allow_trees(model)        # SDPA, and trees for branches > 1
         # fp32: the kernel this host runs fastest per row count, timed on the verifier
-        self.few_row_kernels = verifier_lib.tune_few_row_kernels(model)
+        self.few_row_kernels = kernels.tune_few_row_kernels(model)
         if self.drafter is not None:               # its steps need no invariance; its 1-row
-            verifier_lib.use_few_row_kernels(       # linears take the verifier's pick
+            kernels.use_few_row_kernels(       # linears take the verifier's pick
                 self.drafter, kernels=self.few_row_kernels)
         n_layers = model.config.num_hidden_layers
         self.layer_ids = None                      # no drafter: nothing to capture
@@ -233,65 +369,7 @@ class Speculator:
             if not ok:
                 log.warning(self.inexact_reason(path))
 
-    # --- exactness on this host ----------------------------------------------------------------
-
-    EXACT_CACHED = (29, 58)               # cache lengths check_exact verifies after: the keys
-                                          # of its verifies cross a 32-key block (AMX) or not
-    EXACT_PATHS = [[0, 1, 2, 3], [0, 4, 5], [0, 6]]   # check_exact's tree: 3 paths, 2 padded
-
-    @torch.inference_mode()
-    def check_exact(self, seed: int = 0) -> dict[str, bool]:
-        """Whether, on this host's kernels, the verifier computes what decoding does: "chain", a
-        4-token verify against 4 one-token forwards; "tree", each path of a 3-path tree verify
-        (EXACT_PATHS) against that path verified as a chain. Random tokens after a random cache
-        of each length in EXACT_CACHED. Bit for bit when batch invariant (bf16: what greedy
-        equality needs), else to 1e-3 (fp32 rounds differently per token count anyway, ~1e-6).
-        Costs ~20 verifier forwards, once per Speculator. Kernels, not host kinds, decide: a
-        bf16 tree verify was not exact on AVX2-only CPUs until verifier._tree_attention's
-        token-at-a-time path stopped attending to its padding (issue 48)."""
-        comm, self.simulated_comm = self.simulated_comm, None    # no simulated node here
-        try:
-            return self._check_exact(seed)
-        finally:
-            self.simulated_comm = comm
-
-    def _check_exact(self, seed: int) -> dict[str, bool]:
-        g = torch.Generator().manual_seed(seed)
-        same = torch.equal if self.batch_invariant else functools.partial(
-            torch.allclose, rtol=1e-3, atol=1e-3)
-        width = max(map(len, self.EXACT_PATHS))
-        ok = {"chain": True, "tree": True}
-        for cached in self.EXACT_CACHED:
-            ids = torch.randint(self.model.config.vocab_size, (cached + 7,), generator=g).tolist()
-            new, cache = ids[cached:], DynamicCache()
-            self._verify(ids[:cached], cache, last_only=True)
-
-            def verify(tokens, **kw):              # after the same `cached` keys each time
-                out = self._verify(tokens, cache, **kw)[0]
-                cache.crop(cached - cache.get_seq_length())
-                return out
-
-            steps = [self._verify([t], cache)[0] for t in new[:width]]   # decoding, 1 a forward
-            cache.crop(cached - cache.get_seq_length())
-            ok["chain"] &= same(verify(new[:width]), torch.cat(steps))          # [4, V]
-            tree = verify(new, tree_paths=self.EXACT_PATHS)                      # [7, V]
-            for p in self.EXACT_PATHS:
-                ok["tree"] &= same(tree[p], verify([new[i] for i in p]))
-        return ok
-
-    def inexact_reason(self, path: str) -> str:
-        """Why check_exact's `path` ("chain" or "tree") is not exact here, and what to do."""
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        what, other, instead = {
-            "chain": ("a verify of several tokens", "those tokens decoded one at a time",
-                      "serve at depth 0"),
-            "tree": ("a tree verify", "its paths verified as chains",
-                     "use chains (branches 1, no lookup branch)")}[path]
-        if self.batch_invariant and self.device.type == "cpu":
-            instead += ", or run the verifier in fp32 (EAGLE3_RAY_NATIVE_BF16=0)"
-        return (f"on this host's kernels {what} of the {dtype} verifier does not compute what "
-                f"{other} do (Speculator.check_exact, on random tokens at start-up), so greedy "
-                f"output could differ from the verifier's: {instead}")
+    check_exact, inexact_reason = check_exact, inexact_reason   # the module's, as methods
 
     # --- the two models ----------------------------------------------------------------------
 
@@ -308,7 +386,7 @@ class Speculator:
         if tree_paths is None:
             offsets = torch.arange(len(ids), device=self.device)           # [s]
         else:
-            kw["tree"] = verifier_lib.tree_layout(tree_paths, start, self.device)
+            kw["tree"] = kernels.tree_layout(tree_paths, start, self.device)
             offsets = kw["tree"]["offsets"]                                # [s]
         kw["position_ids"] = (offsets + start)[None]                       # [1, s]
         aux = None
@@ -363,11 +441,13 @@ class Speculator:
         return drafts, qs, confs, False
 
     def _draft_branches(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
-                        branches: int, min_chain_prob: float = 0.0) -> list[list[int]]:
+                        branches: int, min_chain_prob: float = 0.0, match: list[int] = ()):
         """Greedy chains forked at the first draft: the drafter absorbs (tokens, aux) into kv
         as _draft_chain does; its top-`branches` first drafts are each continued greedily to
         `depth` tokens, one batched drafter step per depth. A chain ends where the product of
-        the drafter's own probabilities falls below min_chain_prob; empty chains are dropped."""
+        the drafter's own probabilities falls below min_chain_prob; empty chains are dropped.
+        match: the lookup's drafts, one more chain (the last) unless a chain begins with them.
+        -> (chains, whether match is one of them)."""
         h, logits_d = self._draft_step(tokens, aux, kv)                        # [1, 1, H], [Vd]
         p, top = logits_d.softmax(-1).topk(min(branches, len(logits_d)))      # [b], [b]
         tokens = self.drafter.draft_to_target(top)                             # [b]
@@ -387,7 +467,10 @@ class Speculator:
                 chain_p[c] *= q
                 if len(chains[c]) == i and chain_p[c] >= min_chain_prob:       # still growing
                     chains[c].append(t)
-        return [c for c in chains if c]
+        chains = [c for c in chains if c]
+        if match and not any(c[:len(match)] == match for c in chains):
+            return chains + [match], True
+        return chains, False
 
     def _propose(self, logits_d: torch.Tensor, sp: SamplingParams, gen):
         """Draft-vocab logits -> (target token id, q over the full vocab or None if greedy,
@@ -421,6 +504,63 @@ class Speculator:
         lookup: the lookup fallback's parameters (module docstring); None = off. Its drafts are
         verified like the drafter's, so the output stays exactly the verifier's. In a tree
         (branches > 1, or lookup.branch) the lookup's match is one more chain of the tree."""
+        tree = self._check_request(prompt, sp, depth, branches, lookup)
+        gen = None
+        if sp.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(sp.seed)
+        cache, kv, history = DynamicCache(), DraftKV(), []
+        ngrams = NgramLookup(prompt, lookup.min_n, lookup.max_n) if lookup else None
+        t0 = time.perf_counter()
+        logits, aux = self._verify(prompt, cache, last_only=True)
+        x = pick(logits[-1], sp, gen)
+        verify_s = time.perf_counter() - t0
+        emitted = 0
+        # the drafter absorbs (token t+1, aux t) for the prompt: tokens prompt[1:] + [x]
+        absorb, absorb_aux = prompt[1:] + [x], aux
+        if ngrams is not None:
+            ngrams.extend([x])                             # the context: prompt + output
+        r = emit([x], 0, 0, sp, emitted, verify_s, 0.0)
+        while True:
+            history.append(r)
+            emitted += len(r.tokens)
+            yield r
+            if r.finish_reason:
+                return
+            d = depth(history) if callable(depth) else depth
+            t0 = time.perf_counter()                       # draft
+            match = ngrams.propose(d) if ngrams is not None and d > 0 else []
+            drafts, qs, confs, chains, looked_up = [], [], [], [], False
+            if d > 0 and tree:
+                chains, looked_up = self._draft_branches(absorb, absorb_aux, kv, d, branches,
+                                                         min_chain_prob, match)
+                if len(chains) == 1:                       # one chain: a plain verify
+                    drafts, qs, chains = chains[0], [None] * len(chains[0]), []
+            elif d > 0:
+                drafts, qs, confs, looked_up = self._draft_chain(
+                    absorb, absorb_aux, kv, d, sp, gen, min_chain_prob, match,
+                    lookup.below if lookup else 0.0)
+            t1 = time.perf_counter()                       # verify and accept
+            n = cache.get_seq_length()                     # x goes to position n
+            ids, keep, bonus, aux, won = self._verify_round(x, drafts, qs, chains, cache, sp, gen)
+            looked_up = looked_up and (not chains or won == len(chains) - 1)  # a tree: it won
+            t2 = time.perf_counter()
+            keep_cache(cache, n, keep)                     # roll back both caches
+            a, new = len(keep) - 1, [ids[i] for i in keep[1:]] + [bonus]
+            if ngrams is not None:
+                ngrams.extend(new)
+            if d > 0:
+                kv.crop(n)                                 # drop the draft steps' keys
+                absorb, absorb_aux = new, aux[:, keep]                     # [1, a+1, 3H]
+            elif self.drafter is not None:                 # a depth-0 round: absorb later
+                absorb, absorb_aux = absorb + new, torch.cat([absorb_aux, aux[:, :a + 1]], 1)
+            x = bonus
+            drafted = max(map(len, chains)) if chains else len(drafts)
+            r = emit(new, drafted, a, sp, emitted, t2 - t1, t1 - t0, tuple(confs),
+                     max(1, len(chains)), looked_up)
+
+    def _check_request(self, prompt: list[int], sp: SamplingParams, depth, branches: int,
+                       lookup: LookupParams | None) -> bool:
+        """Refuse a request generate() cannot decode exactly -> whether its rounds are trees."""
         if branches < 1:
             raise ValueError(f"branches must be >= 1, got {branches}")
         tree = branches > 1 or bool(lookup and lookup.branch)
@@ -435,139 +575,26 @@ class Speculator:
             raise ValueError(f"max_tokens must be > 0, got {sp.max_tokens}")
         if self.drafter is None and (callable(depth) or depth):
             raise ValueError("depth > 0 needs a drafter")
-        gen = None
-        if sp.seed is not None:
-            gen = torch.Generator(self.device).manual_seed(sp.seed)
-        cache, kv, history = DynamicCache(), DraftKV(), []
-        ngrams = NgramLookup(prompt, lookup.min_n, lookup.max_n) if lookup else None
-        t0 = time.perf_counter()
-        logits, aux = self._verify(prompt, cache, last_only=True)
-        x = self._pick(logits[-1], sp, gen)
-        verify_s = time.perf_counter() - t0
-        emitted = 0
-        # the drafter absorbs (token t+1, aux t) for the prompt: tokens prompt[1:] + [x]
-        absorb, absorb_aux = prompt[1:] + [x], aux
-        if ngrams is not None:
-            ngrams.extend([x])                             # the context: prompt + output
-        r = self._emit([x], 0, 0, sp, emitted, verify_s, 0.0)
-        while True:
-            history.append(r)
-            emitted += len(r.tokens)
-            yield r
-            if r.finish_reason:
-                return
-            d = depth(history) if callable(depth) else depth
-            t0 = time.perf_counter()
-            drafts, qs, confs, chains, looked_up = [], [], [], [], False
-            if d > 0 and tree:
-                chains = self._draft_branches(absorb, absorb_aux, kv, d, branches,
-                                              min_chain_prob)
-                match = ngrams.propose(d) if ngrams is not None else []
-                if match and not any(c[:len(match)] == match for c in chains):
-                    chains.append(match)                   # the lookup's: the last chain
-                    looked_up = True
-                if len(chains) == 1:                       # one chain: a plain verify
-                    drafts, qs, chains = chains[0], [None] * len(chains[0]), []
-            elif d > 0:
-                fallback = ngrams.propose(d) if ngrams is not None else []
-                drafts, qs, confs, looked_up = self._draft_chain(
-                    absorb, absorb_aux, kv, d, sp, gen, min_chain_prob, fallback,
-                    lookup.below if lookup else 0.0)
-            t1 = time.perf_counter()
-            n = cache.get_seq_length()                     # x goes to position n
-            if chains:                                     # a tree: [x, chain 1, chain 2, ..]
-                ids, paths = [x], []
-                for c in chains:
-                    paths.append([0] + list(range(len(ids), len(ids) + len(c))))
-                    ids += c
-                logits, aux = self._verify(ids, cache, tree_paths=paths)   # [s, V]
-                keep, won = self._accept_tree(ids, paths, logits)   # x + the winner's accepted
-                bonus = int(logits[keep[-1]].argmax())
-                looked_up = looked_up and won == len(paths) - 1   # the lookup's chain won
-            else:
-                ids = [x] + drafts
-                logits, aux = self._verify(ids, cache)                     # [d+1, V]
-                a, bonus = self._accept(drafts, qs, logits, sp, gen)
-                keep = list(range(a + 1))                  # x + the accepted drafts
-            t2 = time.perf_counter()
-            self._keep_cache(cache, n, keep)
-            a, new = len(keep) - 1, [ids[i] for i in keep[1:]] + [bonus]
-            if ngrams is not None:
-                ngrams.extend(new)
-            if d > 0:
-                kv.crop(n)                                 # drop the draft steps' keys
-                absorb, absorb_aux = new, aux[:, keep]                     # [1, a+1, 3H]
-            elif self.drafter is not None:                 # a depth-0 round: absorb later
-                absorb, absorb_aux = absorb + new, torch.cat([absorb_aux, aux[:, :a + 1]], 1)
-            x = bonus
-            drafted = max(map(len, chains)) if chains else len(drafts)
-            r = self._emit(new, drafted, a, sp, emitted, t2 - t1, t1 - t0, tuple(confs),
-                           max(1, len(chains)), looked_up)
+        return tree
 
-    def _pick(self, logits: torch.Tensor, sp: SamplingParams, gen) -> int:
-        if sp.temperature == 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(probs(logits, sp.temperature, sp.top_p), 1, generator=gen)[0])
-
-    def _accept(self, drafts, qs, logits, sp: SamplingParams, gen) -> tuple[int, int]:
-        """-> (accepted drafts a, the verifier's token after them)."""
-        if sp.temperature == 0:
-            target = logits.argmax(-1).tolist()                            # [d+1]
-            a = 0
-            while a < len(drafts) and drafts[a] == target[a]:
-                a += 1
-            return a, target[a]
-        for i, (tok, q) in enumerate(zip(drafts, qs)):
-            p = probs(logits[i], sp.temperature, sp.top_p)                 # [V]
-            u = torch.rand((), generator=gen, device=p.device)
-            if u * q[tok] < p[tok]:                                        # u < p/q
-                continue
-            resid = (p - q).clamp(min=0)                                   # [V]
-            if float(resid.sum()) <= 0:                                    # p == q numerically
-                resid = p
-            return i, int(torch.multinomial(resid / resid.sum(), 1, generator=gen)[0])
-        return len(drafts), self._pick(logits[len(drafts)], sp, gen)
-
-    @staticmethod
-    def _accept_tree(ids: list[int], paths: list[list[int]],
-                     logits: torch.Tensor) -> tuple[list[int], int]:
-        """Greedy acceptance of a tree verify -> (the winning path's accepted prefix: indices
-        into ids, the root x, then its accepted drafts; the winner's index in paths, -1 if no
-        draft was accepted): the longest run of drafts that each equal the verifier's argmax
-        at their parent; the first longest wins a tie."""
-        target = logits.argmax(-1).tolist()                                # [s]
-        best, won = [0], -1
-        for i, path in enumerate(paths):
-            a = 1
-            while a < len(path) and ids[path[a]] == target[path[a - 1]]:
-                a += 1
-            if a > len(best):
-                best, won = path[:a], i
-        return best, won
-
-    @staticmethod
-    def _keep_cache(cache: DynamicCache, n: int, keep: list[int]) -> None:
-        """Keep, of the cached positions from n on, those at offsets `keep` (ascending, 0
-        first), moved to n, n+1, ...; drop the rest (rejected and other chains' drafts)."""
-        if keep != list(range(len(keep))):
-            idx = torch.tensor(keep, device=cache.layers[0].keys.device) + n
-            for layer in cache.layers:                                     # [1, nkv, L, D]
-                layer.keys[:, :, n:n + len(keep)] = layer.keys[:, :, idx]
-                layer.values[:, :, n:n + len(keep)] = layer.values[:, :, idx]
-        cache.crop(-(cache.get_seq_length() - (n + len(keep))))  # tokens to remove
-
-    @staticmethod
-    def _emit(tokens, drafted, accepted, sp: SamplingParams, emitted: int, verify_s, draft_s,
-              draft_probs=(), branches: int = 1, lookup: bool = False):
-        reason = None
-        for i, t in enumerate(tokens):
-            if t in sp.eos_ids:
-                tokens, reason = tokens[:i], "stop"   # EOS ends the text and is not part of it
-                break
-        if reason is None and emitted + len(tokens) >= sp.max_tokens:
-            tokens, reason = tokens[:sp.max_tokens - emitted], "length"
-        return Round(list(tokens), drafted, accepted, reason, verify_s, draft_s, draft_probs,
-                     branches, lookup)
+    def _verify_round(self, x: int, drafts: list[int], qs, chains: list[list[int]],
+                      cache: DynamicCache, sp: SamplingParams, gen):
+        """Verify x and a round's drafts after the cache, [x, drafts] or, with chains, the tree
+        [x, chain 1, chain 2, ..], and accept -> (the ids verified, keep: indices into them of x
+        and the accepted drafts, the verifier's token after those, aux [1, s, 3H], the winning
+        chain's index in chains: -1 if none, 0 for a chain verify)."""
+        if not chains:
+            ids = [x] + drafts
+            logits, aux = self._verify(ids, cache)                         # [d+1, V]
+            a, bonus = accept_chain(drafts, qs, logits, sp, gen)
+            return ids, list(range(a + 1)), bonus, aux, 0                  # x + accepted drafts
+        ids, paths = [x], []
+        for c in chains:
+            paths.append([0] + list(range(len(ids), len(ids) + len(c))))
+            ids += c
+        logits, aux = self._verify(ids, cache, tree_paths=paths)           # [s, V]
+        keep, won = accept_tree(ids, paths, logits)        # x + the winner's accepted drafts
+        return ids, keep, int(logits[keep[-1]].argmax()), aux, won
 
 
 class TextStream:
@@ -615,7 +642,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     tok, model = verifier_lib.load_tokenizer(a.verifier), verifier_lib.load_verifier(a.verifier)
     if a.drafter:
-        from eagle3_ray.train import load_trained_drafter
+        from eagle3_ray.checkpoint import load_trained_drafter
         drafter = load_trained_drafter(a.drafter, a.verifier)[0]
     else:
         drafter = draft.untrained_drafter(a.verifier)[0]

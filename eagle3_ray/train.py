@@ -583,7 +583,8 @@ def _report_now(cfg, rank, state, seen, sums, t_last, lr, model, plain, opts, te
     sums.reset()
     if with_eval:
         if plain is not model:                     # FSDP: evaluate an unsharded copy
-            load_weights(plain, full_state(model, everywhere=True)[0], "the sharded drafter")
+            checkpoint.load_weights(plain, full_state(model, everywhere=True)[0],
+                                    "the sharded drafter")
         metrics.update(evaluate(plain, teacher, cfg, hidden, device, eval_sums, eval_shard))
     if state["history"] and state["history"][-1]["step"] == state["step"]:
         state["history"][-1].update(metrics)  # the final report completes this step's entry
@@ -655,34 +656,12 @@ def load_train_state(d: str, model, opts) -> dict:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     weights = load_file(os.path.join(d, "model.safetensors"))
-    check_names(unwrap(model), weights, d)
+    checkpoint.check_names(unwrap(model), weights, d)
     set_state_dict(model, opts, model_state_dict=weights,
                    optim_state_dict=torch.load(os.path.join(d, "optimizer.pt"), weights_only=True),
                    options=StateDictOptions(full_state_dict=True, strict=False))
     with open(os.path.join(d, "state.json")) as f:
         return json.load(f)
-
-
-def check_names(model, state: dict, where: str) -> None:
-    """Saved drafter weights name exactly the drafter's tensors, with the drafter's shapes,
-    the frozen embedding (the verifier's, rebuilt on load) optional."""
-    frozen = {"embed_tokens.weight"}
-    mine = model.state_dict()
-    missing, unexpected = sorted(set(mine) - frozen - set(state)), sorted(set(state) - set(mine))
-    if missing or unexpected:
-        raise ValueError(f"{where}: weights do not fit the drafter "
-                         f"(missing {missing}, unexpected {unexpected})")
-    for name, t in state.items():
-        if tuple(t.shape) != tuple(mine[name].shape):       # DTensor: the whole tensor's shape
-            raise ValueError(f"{where}: {name} is {tuple(t.shape)} there and "
-                             f"{tuple(mine[name].shape)} in this drafter (resume with the "
-                             "settings the run started with)")
-
-
-def load_weights(model, state: dict, where: str) -> None:
-    """Load drafter weights saved without the frozen embedding into a plain module."""
-    check_names(model, state, where)
-    model.load_state_dict(state, strict=False)
 
 
 def write_metrics(output: str, history: list[dict]) -> None:
@@ -854,16 +833,6 @@ def _maybe_die(cfg: TrainConfig, rank: int, step: int) -> None:
 
 # --- offline evaluation ----------------------------------------------------------------------
 
-def load_trained_drafter(drafter_dir: str, spec: str | None = None, teacher_check: bool = False):
-    """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier
-    (`spec`, default: the one it was trained with); see draft.build_drafter for teacher_check."""
-    state, dcfg, meta = checkpoint.load_drafter(drafter_dir)
-    drafter, teacher = draft.build_drafter(spec or meta["verifier"], dcfg, state["d2t"],
-                                           state["t2d"], teacher_check=teacher_check)
-    load_weights(drafter, state, drafter_dir)
-    return drafter.eval(), teacher, meta
-
-
 @torch.no_grad()
 def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: float = 0.05,
                      spec: str | None = None, batch_size: int = 4, max_seq_len: int = 2048,
@@ -873,7 +842,8 @@ def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: 
     import pyarrow.parquet as pq
     manifest = schema.read_datasets(dataset)
     stored = schema.stores_target_ids(manifest)
-    drafter, teacher, _ = load_trained_drafter(drafter_dir, spec, teacher_check=not stored)
+    drafter, teacher, _ = checkpoint.load_trained_drafter(drafter_dir, spec,
+                                                              teacher_check=not stored)
     amp_dtype = autocast_dtype(precision, False)
     teacher = teacher.to(amp_dtype or torch.float32)
     hidden = drafter.config.hidden_size

@@ -1,6 +1,6 @@
 """Benchmark: the cost of one speculation round on this CPU, for two versions of the code side
 by side — a verifier forward over 1, 2, 3, 4, 5, 8, 12, 17 tokens after a 256-token KV cache
-(the Speculator's own `_verify`, aux-state hooks included, as planner.measure_speculator times
+(the Speculator's own `_verify`, aux-state hooks included, as profile.measure_speculator times
 it) and one drafter step (draft vocab 8192) — on this host and on an emulated AVX2-only host
 (`EAGLE3_RAY_NATIVE_BF16=0` with ATen/MKL/oneDNN capped at AVX2: an fp32 verifier).
 

@@ -122,21 +122,21 @@ def make_inexact(monkeypatch):
     / decoding do. Patches the module attributes a Speculator registers with transformers, so it
     applies to Speculators built afterwards; the real ones are registered again at teardown."""
     from transformers import AttentionInterface
-    from eagle3_ray import verifier
+    from eagle3_ray import kernels
 
     def make(path: str) -> None:
         if path == "tree":
-            real_tree = verifier._tree_attention
-            monkeypatch.setattr(verifier, "_tree_attention",
+            real_tree = kernels._tree_attention
+            monkeypatch.setattr(kernels, "_tree_attention",
                                 lambda *a: (real_tree(*a)[0] + 0.01, None))
             return
         for name in ("batch_invariant_attention", "tree_attention"):   # bf16 / fp32 verifiers
-            def attention(module, query, key, *a, real=getattr(verifier, name), tree=None, **kw):
+            def attention(module, query, key, *a, real=getattr(kernels, name), tree=None, **kw):
                 out, w = real(module, query, key, *a, tree=tree, **kw)
                 several = tree is None and 1 < query.shape[2] < key.shape[2]
                 return (out + 0.01 if several else out), w
-            monkeypatch.setattr(verifier, name, attention)
+            monkeypatch.setattr(kernels, name, attention)
     yield make
     monkeypatch.undo()
-    AttentionInterface.register(verifier.INVARIANT_ATTENTION, verifier.batch_invariant_attention)
-    AttentionInterface.register(verifier.TREE_ATTENTION, verifier.tree_attention)
+    AttentionInterface.register(kernels.INVARIANT_ATTENTION, kernels.batch_invariant_attention)
+    AttentionInterface.register(kernels.TREE_ATTENTION, kernels.tree_attention)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from eagle3_ray import bench, checkpoint, data, draft, speculate, verifier
+from eagle3_ray import bench_serve, checkpoint, data, draft, kernels, speculate, verifier
 
 
 @pytest.fixture
@@ -34,25 +34,25 @@ def test_hf_generate_matches_speculator_depth0(fp32, tiny_verifier, tiny_tokeniz
     prompt = data.prompt_ids(tiny_tokenizer, [{"role": "user", "content": "Tell me about rivers"}])
     sp = speculate.SamplingParams(max_tokens=12, eos_ids=eos)
     ours = [t for r in speculate.Speculator(model).generate(prompt, sp) for t in r.tokens]
-    plain = bench.hf_generate(model, prompt, 12, eos)
+    plain = bench_serve.hf_generate(model, prompt, 12, eos)
     assert plain["tokens"] == ours and len(ours) > 0
     assert plain["rounds"] == len(ours) - 1 and plain["drafted"] == plain["accepted"] == 0
     assert 0 < plain["prefill_s"] < plain["wall_s"]
     # prompt lookup: same greedy output; the tiny random model repeats itself (and the prompt
     # holds an earlier output), so lookup proposes n-grams, gets some accepted, saves forwards
     echo = prompt + ours + prompt
-    ref = bench.hf_generate(model, echo, 12, eos)
-    got = bench.hf_generate(model, echo, 12, eos, prompt_lookup=5)
+    ref = bench_serve.hf_generate(model, echo, 12, eos)
+    got = bench_serve.hf_generate(model, echo, 12, eos, prompt_lookup=5)
     assert got["tokens"] == ref["tokens"]
     assert got["drafted"] >= got["accepted"] > 0 and got["rounds"] < ref["rounds"]
 
 
 def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsys, one_thread):
     out = str(tmp_path / "bench")
-    r = bench.bench_serve(drafter_dir, depths=(0, 2), prompts=2, max_tokens=8, out_dir=out,
-                          spec=tiny_verifier, dynamic=False, prompt_lookup=(4,))
+    r = bench_serve.bench_serve(drafter_dir, depths=(0, 2), prompts=2, max_tokens=8, out_dir=out,
+                                spec=tiny_verifier, dynamic=False, prompt_lookup=(4,))
     assert r["dtype"] == "float32" and r["all_identical"]
-    assert set(r["few_row_kernels"]) == {str(n) for n in verifier.TUNED_ROWS}      # what depth 0 ran on
+    assert set(r["few_row_kernels"]) == {str(n) for n in kernels.TUNED_ROWS}      # what depth 0 ran on
     peers = r["peers"]
     assert set(peers) == {"generate", "prompt_lookup_4"}
     for p in peers.values():
@@ -68,9 +68,9 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     assert os.path.getsize(os.path.join(out, "serve.png")) > 0
     printed = capsys.readouterr().out
     assert "[bench] serve peer generate:" in printed and "identical 2/2" in printed
-    r = bench.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
-                          spec=tiny_verifier, dynamic=True, peers=False, branches=(2,),
-                          lookup_depths=(4,), lookup_branches=(3,))
+    r = bench_serve.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
+                                spec=tiny_verifier, dynamic=True, peers=False, branches=(2,),
+                                lookup_depths=(4,), lookup_branches=(3,))
     assert "peers" not in r and r["all_identical"]      # the dynamic, gated, tree and lookup arms
     for name in ("lookup4", "dynamic-lookup"):          # lookup arms past the deepest fixed one
         row = r["runs"][name]
@@ -107,20 +107,22 @@ def test_bench_serve_flags():
     assert a.lookup_branches == [] and p.parse_args(
         ["serve", "--lookup-branches", "4"]).lookup_branches == [4]
     with pytest.raises(ValueError, match="need 0"):
-        bench.bench_serve("unused", depths=(1, 2))
+        bench_serve.bench_serve("unused", depths=(1, 2))
 
 
 def test_bench_serve_leaves_out_tree_arms_its_host_cannot_run_exactly(
         fp32, tiny_verifier, drafter_dir, tmp_path, capsys, one_thread, make_inexact):
     """Where the start-up check finds a tree verify inexact (a MOCK of such kernels: none here),
-    bench serve runs the chain arms and records the tree arms it left out and why."""
+    bench serve runs the chain arms (dynamic ones included) and records the tree arms it left
+    out and why."""
     make_inexact("tree")
-    r = bench.bench_serve(drafter_dir, depths=(0, 3), prompts=1, max_tokens=6,
-                          out_dir=str(tmp_path / "bench"), spec=tiny_verifier, dynamic=False,
-                          peers=False, branches=(2,), lookup_depths=(), lookup_branches=(3,))
+    r = bench_serve.bench_serve(drafter_dir, depths=(0, 3), prompts=1, max_tokens=6,
+                                out_dir=str(tmp_path / "bench"), spec=tiny_verifier, dynamic=True,
+                                peers=False, branches=(2,), lookup_depths=(), lookup_branches=(3,))
     assert r["exact"] == {"chain": True, "tree": False} and r["all_identical"]
-    assert set(r["runs"]) == {"0", "3"}
-    assert r["refused_arms"]["arms"] == ["branch-lookup3", "tree2x3", "tree2x3+lookup"]
+    assert set(r["runs"]) == {"0", "3", "dynamic", "gated"}
+    assert "vs_best_fixed" in r["runs"]["dynamic"]
+    left_out = ["branch-lookup3", "dynamic-branch-lookup", "tree2x3", "tree2x3+lookup"]
+    assert r["refused_arms"]["arms"] == left_out
     assert "use chains" in r["refused_arms"]["why"]
-    assert "tree arms ['branch-lookup3', 'tree2x3', 'tree2x3+lookup'] left out" in \
-        capsys.readouterr().out
+    assert f"tree arms {left_out} left out" in capsys.readouterr().out

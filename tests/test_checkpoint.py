@@ -529,7 +529,7 @@ def project_step0(d: str, spec: str, model, ids: torch.Tensor) -> tuple[torch.Te
     """The project's own path: the drafter as serving loads it, the aux states as extraction
     captures them (verifier.forward_hidden's hooks), step 0 -> draft logits [S-1, Vd]."""
     from eagle3_ray import verifier
-    from eagle3_ray.train import load_trained_drafter
+    from eagle3_ray.checkpoint import load_trained_drafter
     drafter = load_trained_drafter(d, spec)[0]
     aux, _, _ = verifier.forward_hidden(model, ids, torch.ones_like(ids),
                                         drafter.config.aux_layer_ids)    # [1, S, 3, H]

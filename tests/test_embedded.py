@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3_ray import schema, verifier
+from eagle3_ray import kernels, schema, verifier
 from eagle3_ray.extract import ExtractConfig, run_extract
 
 
@@ -64,7 +64,7 @@ def test_bf16_verifier_made_batch_invariant_on_real_shapes(one_thread):
     there each verified token attends on its own."""
     from transformers import DynamicCache
     model = verifier.load_verifier(verifier.EMBEDDED_VERIFIER, torch.bfloat16)
-    verifier.make_batch_invariant(model)
+    kernels.make_batch_invariant(model)
     g = torch.Generator().manual_seed(0)
     for trial in range(2):      # prompts of 60 and 100 tokens
         prompt = torch.randint(100, 5000, (1, 60 + 40 * trial), generator=g)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from eagle3_ray import planner as P
+from eagle3_ray.profile import measure_profile
 
 DECAYING = [round(max(0.05, 0.8 - 0.05 * i), 4) for i in range(32)]   # 0.8, 0.75, 0.7, ...
 
@@ -327,7 +328,7 @@ def test_plan_cli_end_to_end(tmp_path, capsys):
 # --- measuring ----------------------------------------------------------------------------------
 
 def test_measure_profile_tiny_verifier(tiny_verifier, tmp_path, one_thread):
-    p = P.measure_profile(tiny_verifier, max_tokens=4, context=16, reps=3, name="tiny")
+    p = measure_profile(tiny_verifier, max_tokens=4, context=16, reps=3, name="tiny")
     assert sorted(p.verify_ms) == [1, 2, 3, 4]
     assert all(v > 0 for v in p.verify_ms.values()) and p.draft_step_ms > 0
     assert p.verify_ms[4] > 0.3 * p.verify_ms[1]               # monotone-ish on a noisy box

@@ -117,16 +117,16 @@ def test_drafter_that_matches_the_verifier_gets_every_draft_accepted():
 def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
     """In bf16 a k-token forward rounds differently from k one-token forwards (GEMV vs GEMM,
     fused attention over a masked block); the Speculator makes a bf16 verifier batch invariant
-    (verifier.make_batch_invariant: one matmul kernel for every row count, attention masked
+    (kernels.make_batch_invariant: one matmul kernel for every row count, attention masked
     after the matmuls), so greedy stays token-for-token exact."""
     from transformers import DynamicCache
-    from eagle3_ray import verifier
+    from eagle3_ray import kernels
     model, drafter = tiny_pair(vocab=500)
     model = model.to(torch.bfloat16)
     spec = Speculator(model, drafter)                                    # bf16: invariant
-    assert model.config._attn_implementation == verifier.INVARIANT_ATTENTION
+    assert model.config._attn_implementation == kernels.INVARIANT_ATTENTION
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert all(isinstance(m.forward, verifier.FewRowLinear) and m.forward.batch_invariant
+    assert all(isinstance(m.forward, kernels.FewRowLinear) and m.forward.batch_invariant
                for m in linears)
     prompt = list(range(10, 30))
     nxt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
@@ -138,7 +138,7 @@ def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
             for k in (2, 5, 17):                                         # [1, k, V]
                 cache.crop(-(cache.get_seq_length() - len(context)))
                 assert torch.equal(model(nxt[:, :k], cache=cache).logits, steps[:, :k]), k
-    if torch.bfloat16 in verifier._packable_dtypes():                 # this CPU: oneDNN packed
+    if torch.bfloat16 in kernels._packable_dtypes():                 # this CPU: oneDNN packed
         assert all(m.forward.packed is not None for m in linears)
     sp = SamplingParams(max_tokens=40)
     base, _ = run(spec, prompt, sp, 0)
@@ -151,12 +151,12 @@ def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
 
 
 def test_bf16_attention_rows_do_not_depend_on_the_keys_or_tokens_carried():
-    """verifier.batch_invariant_attention in bf16 with SmolLM2's heads (9 query, 3 KV, 64 dims):
+    """kernels.batch_invariant_attention in bf16 with SmolLM2's heads (9 query, 3 KV, 64 dims):
     each token of a q-token verify computes bit for bit what a one-token forward over exactly
     the keys it sees does, for every cache length 2..140 and q up to 17. On an AMX CPU the
     probabilities @ values matmul rounded differently when the number of keys was not a
     multiple of 32 (6 of ~600 shapes; greedy demo outputs then diverged): keys are padded."""
-    from eagle3_ray import verifier
+    from eagle3_ray import kernels
     torch.manual_seed(0)
     bad = []
     with torch.no_grad():
@@ -166,10 +166,10 @@ def test_bf16_attention_rows_do_not_depend_on_the_keys_or_tokens_carried():
                     continue
                 query = torch.randn(1, 9, q, 64).bfloat16()
                 key, value = torch.randn(2, 1, 3, kv, 64).bfloat16()
-                joint = verifier.batch_invariant_attention(None, query, key, value, None)[0]
+                joint = kernels.batch_invariant_attention(None, query, key, value, None)[0]
                 for i in range(q):
                     seen = kv - q + i + 1
-                    one = verifier.batch_invariant_attention(
+                    one = kernels.batch_invariant_attention(
                         None, query[:, :, i:i + 1], key[:, :, :seen].contiguous(),
                         value[:, :, :seen].contiguous(), None)[0]
                     if not torch.equal(one[0, 0], joint[0, i]):
@@ -178,25 +178,25 @@ def test_bf16_attention_rows_do_not_depend_on_the_keys_or_tokens_carried():
 
 
 def test_bf16_tree_paths_attend_as_their_chains(gemm_path):
-    """verifier._tree_attention in bf16 with SmolLM2's heads: every path of a tree verify
+    """kernels._tree_attention in bf16 with SmolLM2's heads: every path of a tree verify
     computes bit for bit what batch_invariant_attention does for that path verified as a chain,
     for every cache length 2..140, on both GEMM paths. On an AMX CPU the gathered keys must be
     padded to 32-key blocks for that (without: 11 of 220 SmolLM2 tree paths differed from their
     chains). Without oneDNN's bf16 (an AVX2-only CPU) each path attends a token at a time; the
     shorter paths once attended to their padding there too (issue 48: [0, 4, 5] and [0, 6]
     differed at every cache length)."""
-    from eagle3_ray import verifier
+    from eagle3_ray import kernels
     torch.manual_seed(0)
     paths, bad = [[0, 1, 2, 3], [0, 4, 5], [0, 6]], []
     with torch.no_grad():
         for cached in range(2, 141):
             query = torch.randn(1, 9, 7, 64).bfloat16()
             key, value = torch.randn(2, 1, 3, cached + 7, 64).bfloat16()
-            tree = verifier.tree_layout(paths, cached)
-            out = verifier._tree_attention(None, query, key, value, None, tree)[0]  # [1, 7, 9, 64]
+            tree = kernels.tree_layout(paths, cached)
+            out = kernels._tree_attention(None, query, key, value, None, tree)[0]  # [1, 7, 9, 64]
             for p in paths:
                 seen = list(range(cached)) + [cached + i for i in p]
-                chain = verifier.batch_invariant_attention(
+                chain = kernels.batch_invariant_attention(
                     None, query[:, :, p], key[:, :, seen], value[:, :, seen], None)[0]
                 if not torch.equal(out[0, p], chain[0]):
                     bad.append((cached, p))
@@ -205,12 +205,12 @@ def test_bf16_tree_paths_attend_as_their_chains(gemm_path):
 
 def test_fp32_speculator_times_its_few_row_kernels():
     """An fp32 verifier's 1- and 2-row linears run on the kernel that timed fastest here
-    (verifier.tune_few_row_kernels), the drafter's take the same; greedy output unchanged."""
-    from eagle3_ray import verifier
+    (kernels.tune_few_row_kernels), the drafter's take the same; greedy output unchanged."""
+    from eagle3_ray import kernels
     model, drafter = tiny_pair(vocab=500)
     spec = Speculator(model, drafter)
-    assert set(spec.few_row_kernels) == set(verifier.TUNED_ROWS)
-    assert set(spec.few_row_kernels.values()) <= set(verifier.FEW_ROW_KERNELS)
+    assert set(spec.few_row_kernels) == set(kernels.TUNED_ROWS)
+    assert set(spec.few_row_kernels.values()) <= set(kernels.FEW_ROW_KERNELS)
     packed = {r for r, k in spec.few_row_kernels.items() if k == "mkl_packed"}
     for m in list(model.modules()) + list(drafter.modules()):
         if isinstance(m, torch.nn.Linear):
@@ -227,16 +227,16 @@ def test_fp32_speculator_times_its_few_row_kernels():
 
 
 def test_fp32_verifier_attention_matches_transformers_sdpa():
-    """verifier.tree_attention (an fp32 verifier's attention: SDPA reading the grouped KV heads
+    """kernels.tree_attention (an fp32 verifier's attention: SDPA reading the grouped KV heads
     in place) gives transformers' SDPA logits, for a prefill, a decode step and a chain verify."""
     from transformers import DynamicCache
-    from eagle3_ray import verifier
+    from eagle3_ray import kernels
     model, _ = tiny_pair(vocab=300)                                   # 4 query heads, 2 KV heads
     ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
     out = {}
     for impl in ("sdpa", "ours"):
         if impl == "ours":
-            verifier.allow_trees(model)
+            kernels.allow_trees(model)
         cache, logits = DynamicCache(), []
         with torch.inference_mode():
             for a, b in ((0, 30), (30, 31), (31, 36), (36, 40)):       # prefill, 1, 5, 4 tokens
@@ -248,14 +248,14 @@ def test_fp32_verifier_attention_matches_transformers_sdpa():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_row_linear_kernels(dtype):
-    """verifier.FewRowLinear: the layer's own output (up to rounding), rows independent of the
+    """kernels.FewRowLinear: the layer's own output (up to rounding), rows independent of the
     row count when batch invariant, a fresh packed copy after the weights change, and plain
     F.linear (with gradients) when gradients are on."""
-    from eagle3_ray import verifier
+    from eagle3_ray import kernels
     torch.manual_seed(0)
-    layer = torch.nn.Linear(288, 240, bias=True).to(dtype)            # > verifier._SMALL_WEIGHT
+    layer = torch.nn.Linear(288, 240, bias=True).to(dtype)            # > kernels._SMALL_WEIGHT
     x = torch.randn(1, 17, 288, dtype=dtype)
-    fast, inv = verifier.FewRowLinear(layer), verifier.FewRowLinear(layer, batch_invariant=True)
+    fast, inv = kernels.FewRowLinear(layer), kernels.FewRowLinear(layer, batch_invariant=True)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     with torch.no_grad():
         ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
@@ -266,15 +266,15 @@ def test_few_row_linear_kernels(dtype):
             assert torch.equal(inv(x[:, :rows]), two[:, :rows]), rows
         assert torch.equal(inv(x[:, 4:5]), two[:, 4:5])                  # a row alone
         # past 32 rows, on SmolLM2's shape (AMX: its blocking changed at 33 there)
-        big = verifier.FewRowLinear(torch.nn.Linear(576, 576, bias=False).to(dtype), True)
+        big = kernels.FewRowLinear(torch.nn.Linear(576, 576, bias=False).to(dtype), True)
         x40 = torch.randn(1, 40, 576, dtype=dtype)
         assert torch.equal(big(x40), torch.cat([big(x40[:, i:i + 1]) for i in range(40)], 1))
         if dtype == torch.float32:                  # each kernel tune_few_row_kernels picks from
-            for kernel in verifier.FEW_ROW_KERNELS:
+            for kernel in kernels.FEW_ROW_KERNELS:
                 fast.few = {1: kernel, 2: kernel, 3: kernel, 8: kernel}   # 4-8 rows: 8's kernel
                 for rows in (1, 2, 3, 5, 8, 17):
                     torch.testing.assert_close(fast(x[:, :rows]).float(), ref[:, :rows], **tol)
-            if verifier._mkl_packable():            # MKL packed for 1, 2, 3 and 8 rows (5: padded)
+            if kernels._mkl_packable():            # MKL packed for 1, 2, 3 and 8 rows (5: padded)
                 assert set(fast.mkl_packed) == {1, 2, 3, 8}
             fast.few = {2: "mkl_packed"}
         layer.weight.mul_(2.0)                                          # weights change
@@ -353,7 +353,7 @@ def test_sampling_matches_the_verifier_distribution(top_p, gate, lookup):
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             logits, aux = spec._verify(prompt, __import__("transformers").DynamicCache())
-            x = spec._pick(logits[-1], SamplingParams(temperature=temp, top_p=top_p), gen)
+            x = speculate.pick(logits[-1], SamplingParams(temperature=temp, top_p=top_p), gen)
             _, ld = spec._draft_step(prompt[1:] + [x], aux, speculate.DraftKV())
             tok, _, _ = spec._propose(ld, SamplingParams(temperature=temp, top_p=top_p), gen)
         q[tok] += 1
@@ -494,7 +494,7 @@ def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype, gemm_path):
         cache.crop(len(context) - cache.get_seq_length())
         spec._verify(ids, cache, tree_paths=paths)
         keep = [0, 4, 5]                                                   # x, chains[1] (8, 9)
-        spec._keep_cache(cache, len(context), keep)
+        speculate.keep_cache(cache, len(context), keep)
         assert cache.get_seq_length() == len(context) + 3
         nxt = spec._verify([20], cache)[0]
         cache.crop(len(context) - cache.get_seq_length())
