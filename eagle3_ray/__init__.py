@@ -1,7 +1,16 @@
 """eagle3_ray: deep EAGLE-3 drafters on Ray — extract hidden states, train, serve, plan.
 
-Stages live in their own modules (extract, train, serve, plan); the model-side pieces
-(data, verifier, schema) are plain PyTorch/pyarrow and import no Ray.
+One package per stage, in the order the data flows; a module imports only from its own package
+and the ones above it in this list (tests/test_imports.py):
+
+    data/     conversations in; the hidden-state dataset contract             no Ray
+    engine/   who holds the verifier (hf: transformers)                        no Ray
+    extract/  1. conversations -> hidden-state Parquet                        Ray Data
+    train/    2. hidden states -> drafter (draft, ttt, vocab, checkpoint: no Ray)  Ray Train
+    plan/     4. acceptance + node profile -> depth (serving uses its cost model)  no Ray
+    serve/    3. verifier + drafter -> tokens (speculate, kernels: no Ray)     Ray Serve
+    bench/    benchmarks over the stages
+    demo.py, cli.py (the eagle3-ray command), gpu_check.py on top; launch.py starts Ray.
 """
 import os
 

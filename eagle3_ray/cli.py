@@ -20,7 +20,8 @@ import dataclasses
 import os
 import sys
 
-from eagle3_ray import data, verifier
+from eagle3_ray.data import conversations as data
+from eagle3_ray.engine import hf as verifier
 from eagle3_ray.launch import init_ray, run_main
 
 
@@ -71,7 +72,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
 def extract_config(a: argparse.Namespace):
     """The parsed flags -> ExtractConfig (`train --online`: no --output, the training
     --verifier, --replica-node-resource)."""
-    from eagle3_ray.extract import ExtractConfig
+    from eagle3_ray.extract.pipeline import ExtractConfig
     online = getattr(a, "online", False)
     return ExtractConfig(
         inputs=a.inputs, output="" if online else a.output,
@@ -90,7 +91,7 @@ def extract_config(a: argparse.Namespace):
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """Flags of TrainConfig (shared with jobs/train.py); defaults are TrainConfig's."""
-    from eagle3_ray.train import TrainConfig
+    from eagle3_ray.train.trainer import TrainConfig
     d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     p.add_argument("--dataset", help="hidden-state dataset dir/URI (extract output), or several "
                    "joined by commas, read as one (e.g. original,regenerated); or --online")
@@ -151,7 +152,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def train_config(a: argparse.Namespace):
     """The parsed flags -> TrainConfig (every flag but --address is a field)."""
-    from eagle3_ray.train import TrainConfig
+    from eagle3_ray.train.trainer import TrainConfig
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(a).items() if k in names})
 
@@ -165,10 +166,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-depth", type=int, default=16, help="bound of per-request depth")
     p.add_argument("--dynamic-depth", action="store_true", help="requests without "
                    "speculation_depth get each round's depth from their acceptance (planner)")
-    p.add_argument("--draft-gate", action="store_true", help="confidence-gated chains: each "
-                   "round's chain stops where the drafter's own chance that all its drafts are "
-                   "accepted no longer pays for one more draft; the depth is the cap (with "
-                   "--dynamic-depth: --max-depth)")
     p.add_argument("--branches", type=int, default=1, help="greedy requests: chains forked at "
                    "the first draft, verified together as one tree (1: a plain chain)")
     p.add_argument("--no-lookup", dest="lookup", action="store_false", help="turn off the lookup "
@@ -177,8 +174,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-branch", action="store_true", help="greedy requests verify the "
                    "lookup's match beside the drafter's chain (one tree forward) instead of in "
                    "its place: pays where more verified tokens cost little (AMX CPUs, GPUs)")
-    p.add_argument("--profile", help="node profile for --dynamic-depth / --draft-gate (default: "
-                   "measured at start)")
+    p.add_argument("--profile", help="node profile for --dynamic-depth (default: measured at "
+                   "start)")
     p.add_argument("--simulate-interconnect", metavar="PROFILE", help="SIMULATION: add this node "
                    "profile's all-reduce time to every verify")
     p.add_argument("--engine", choices=("builtin", "vllm"), default="builtin")
@@ -202,11 +199,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve_config(a: argparse.Namespace):
     import json
-    from eagle3_ray.serve import ServeConfig
+    from eagle3_ray.serve.app import ServeConfig
     return ServeConfig(
         verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
         depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
-        dynamic_depth=a.dynamic_depth, draft_gate=a.draft_gate, branches=a.branches,
+        dynamic_depth=a.dynamic_depth, branches=a.branches,
         lookup=a.lookup, lookup_branch=a.lookup_branch, profile=a.profile,
         simulate_interconnect=a.simulate_interconnect,
         gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
@@ -218,7 +215,7 @@ def serve_config(a: argparse.Namespace):
 
 
 def cmd_serve(a):
-    from eagle3_ray.serve import run_serve
+    from eagle3_ray.serve.app import run_serve
     run_serve(serve_config(a), a.address)
 
 
@@ -227,23 +224,23 @@ def cmd_train(a):
     if bool(a.dataset) == bool(a.online):
         raise ValueError("train needs exactly one of --dataset DIR and --online")
     if a.online:
-        from eagle3_ray.online import run_online
+        from eagle3_ray.train.online import run_online
         run_online(train_config(a), extract_config(a), a.address, cache=a.cache,
                    vocab_samples=a.vocab_samples, eval_samples=a.eval_samples)
         return
-    from eagle3_ray.train import run_train
+    from eagle3_ray.train.trainer import run_train
     run_train(train_config(a), a.address)
 
 
 def cmd_export(a):
-    from eagle3_ray import checkpoint
+    from eagle3_ray.train import checkpoint
     checkpoint.export(a.drafter, a.output, a.format, verifier_path=a.verifier_path,
                       dtype=a.dtype)
     print(f"[export] {a.format}: {a.output}")
 
 
 def cmd_extract(a):
-    from eagle3_ray.extract import run_extract
+    from eagle3_ray.extract.pipeline import run_extract
     run_extract(extract_config(a), a.address)
 
 
@@ -332,12 +329,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a):
-    from eagle3_ray import bench
+    from eagle3_ray.bench import stages as bench
     if a.what == "train":  # pure PyTorch, no Ray
         bench.bench_train(out_dir=a.out)
         return
     if a.what == "serve":  # the server's decoder in-process, no Ray
-        from eagle3_ray.bench_serve import bench_serve
+        from eagle3_ray.bench.serving import bench_serve
         bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8, max_tokens=a.max_tokens,
                     out_dir=a.out, simulate=a.simulate, dynamic=not a.no_dynamic,
                     peers=not a.no_peers, prompt_lookup=tuple(a.prompt_lookup_tokens),
@@ -347,7 +344,7 @@ def cmd_bench(a):
                     **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray
-        from eagle3_ray import sweep
+        from eagle3_ray.bench import sweep
         if not a.dataset or not a.arm:
             raise SystemExit("bench sweep needs --dataset and at least one --arm NAME [F=V ...]")
         sweep.run(a.dataset, {arm[0]: parse_fields(arm[1:]) for arm in a.arm},
@@ -365,7 +362,7 @@ def cmd_bench(a):
                             steps=a.steps or 150, out_dir=a.out, fresh=a.fresh,
                             noise=a.noise_arm)
     elif a.what == "online":  # offline vs online vs online --cache: wall, bytes, accuracy
-        from eagle3_ray.bench_online import bench_online
+        from eagle3_ray.bench.online import bench_online
         bench_online(samples=a.samples or 160, max_length=a.max_length, steps=a.steps,
                      out_dir=a.out, served_prompts=a.served_prompts,
                      served_tokens=a.served_tokens)
@@ -373,7 +370,7 @@ def cmd_bench(a):
         bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
                             repeats=a.repeats)
     else:
-        from eagle3_ray import quality
+        from eagle3_ray.bench import quality
         recipe = parse_fields(a.set)
         arms = (quality.quality_arms(a.ttt, **recipe) if a.what == "quality"
                 else quality.recipe_arms(a.ttt[0], **recipe))
@@ -386,7 +383,7 @@ def cmd_bench(a):
 def parse_fields(items: list[str]) -> dict:
     """["lr=1e-3", "init=random", "data=regen"] -> TrainConfig overrides, typed by the field's
     default ("data" names the dataset: orig or regen)."""
-    from eagle3_ray.train import TrainConfig
+    from eagle3_ray.train.trainer import TrainConfig
     kinds = {"int": int, "float": float, "bool": bool}           # annotations are strings here
     types = {f.name: kinds.get(str(f.type), str)
              for f in dataclasses.fields(TrainConfig)} | {"data": str}
@@ -402,7 +399,8 @@ def parse_fields(items: list[str]) -> dict:
 
 
 def cmd_profile(a):
-    from eagle3_ray import planner, profile
+    from eagle3_ray.plan import planner
+    from eagle3_ray.serve import profile
     prof = profile.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
                                    context=a.context, reps=a.reps, name=a.name)
     planner.save_profile(prof, a.out)
@@ -415,7 +413,7 @@ def cmd_profile(a):
 
 def cmd_plan(a):
     import json
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     if a.sweep:
         return plan_sweep(a)
     cond, known, desc = planner.acceptance_from(a.acceptance, a.ttt)
@@ -450,7 +448,7 @@ def cmd_plan(a):
 def plan_sweep(a):
     """plan --sweep: best depth per constant acceptance level on --profile (and --compare)."""
     import json
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     profiles = [planner.load_profile(a.profile)]
     if a.compare:
         profiles.append(planner.load_profile(a.compare))

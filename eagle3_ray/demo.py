@@ -2,7 +2,7 @@
 
 All artifacts go to one run directory (data/, train/, report.json, report.png). Extraction and
 training resume, so a rerun reuses finished stages; `fresh` starts over. The serving stage
-deploys the Ray Serve app (serve.py) with the trained drafter and dynamic depth, sends the same
+deploys the Ray Serve app (serve/app.py) with the trained drafter and dynamic depth, sends the same
 held-out prompts greedily at depth 0, at the drafter's depth and with no depth (the planner picks
 each round's depth from this replica's measured costs) through HTTP (interleaved, one at a time),
 and reports per-position acceptance (from the server's /metrics), acceptance length, tokens/s
@@ -25,7 +25,7 @@ import socket
 import time
 from dataclasses import dataclass, replace
 
-from eagle3_ray import verifier
+from eagle3_ray.engine import hf as verifier
 
 
 @dataclass
@@ -148,9 +148,9 @@ def train_budget_minutes(cfg: DemoConfig, plan: dict, elapsed_s: float) -> float
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    from eagle3_ray import schema
-    from eagle3_ray.extract import ExtractConfig, run_extract
-    from eagle3_ray.train import TrainConfig, run_train
+    from eagle3_ray.data import schema
+    from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
+    from eagle3_ray.train.trainer import TrainConfig, run_train
     if cfg.fresh and os.path.isdir(cfg.run_dir):
         shutil.rmtree(cfg.run_dir)
     t0 = time.perf_counter()
@@ -196,7 +196,9 @@ def _free_port() -> int:
 def serve_and_measure(cfg: DemoConfig, drafter_dir: str) -> dict:
     import requests
     from ray import serve as ray_serve
-    from eagle3_ray import bench, data, serve
+    from eagle3_ray.bench import stages as bench
+    from eagle3_ray.data import conversations as data
+    from eagle3_ray.serve import app as serve
     meta = json.load(open(os.path.join(drafter_dir, "meta.json")))
     depth = cfg.depth or meta["ttt_steps"]
     scfg = serve.ServeConfig(drafter=drafter_dir, depth=depth, max_depth=max(16, depth),

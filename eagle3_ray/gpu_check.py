@@ -171,7 +171,7 @@ def figures(name: str, work: str) -> dict:
                                                    "acceptance_length", "identical_to_depth0")}
                              for d, x in r["runs"].items()}}
     if name == "profile":
-        from eagle3_ray import planner
+        from eagle3_ray.plan import planner
         p = planner.load_profile(os.path.join(work, "profile.yaml"))
         return {"gpus": p.gpus, "verify_ms": p.verify_ms, "draft_step_ms": p.draft_step_ms,
                 "allreduce": planner.allreduce_model(p),
@@ -182,7 +182,7 @@ def figures(name: str, work: str) -> dict:
 def served_figures(path: str) -> dict:
     """bench serve's run at its deepest depth: served acceptance per position, conditional
     acceptance (a_k), acceptance length; tokens/s against depth 0 at every depth."""
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     r = json.load(open(path))
     deep = r["runs"][str(max(int(d) for d in r["runs"] if d.isdigit()))]
     drafted, accepted = deep["drafted_per_position"], deep["accepted_per_position"]
@@ -196,7 +196,7 @@ def served_figures(path: str) -> dict:
 
 def gloo_allreduce_curve() -> dict:
     """The NCCL curve's code path with gloo between 2 CPU processes (no CUDA here)."""
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     base = planner.NodeProfile(
         name="cpu", description="", sources=[], gpus=1,
         interconnect=planner.Interconnect(0.0, 1.0, 0, 576, 2), verify_ms={1: 1.0},

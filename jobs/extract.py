@@ -12,7 +12,7 @@ from eagle3_ray.launch import job_main  # noqa: E402
 
 
 def run(a):
-    from eagle3_ray.extract import run_extract
+    from eagle3_ray.extract.pipeline import run_extract
     run_extract(extract_config(a), a.address)
 
 

@@ -14,7 +14,7 @@ from eagle3_ray.launch import job_main  # noqa: E402
 
 
 def run(a):
-    from eagle3_ray.serve import run_serve
+    from eagle3_ray.serve.app import run_serve
     run_serve(serve_config(a), a.address)
 
 

@@ -53,7 +53,7 @@ def make_conversations(n: int) -> list[dict]:
 def tiny_verifier(tmp_path_factory):
     """A transformers directory: random 8-layer Llama, H=64, with SmolLM2's tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from eagle3_ray import verifier
+    from eagle3_ray.engine import hf as verifier
     d = tmp_path_factory.mktemp("tiny_verifier")
     tok = verifier.load_tokenizer(verifier.EMBEDDED_VERIFIER)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
@@ -72,7 +72,7 @@ def tiny_verifier(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_verifier):
-    from eagle3_ray import verifier
+    from eagle3_ray.engine import hf as verifier
     return verifier.load_tokenizer(tiny_verifier)
 
 
@@ -122,7 +122,7 @@ def make_inexact(monkeypatch):
     / decoding do. Patches the module attributes a Speculator registers with transformers, so it
     applies to Speculators built afterwards; the real ones are registered again at teardown."""
     from transformers import AttentionInterface
-    from eagle3_ray import kernels
+    from eagle3_ray.serve import kernels
 
     def make(path: str) -> None:
         if path == "tree":

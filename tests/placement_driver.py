@@ -16,9 +16,10 @@ from ray import serve as ray_serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from eagle3_ray import online, serve  # noqa: E402
-from eagle3_ray.extract import ExtractConfig, run_extract  # noqa: E402
-from eagle3_ray.train import TrainConfig  # noqa: E402
+from eagle3_ray.serve import app as serve  # noqa: E402
+from eagle3_ray.train import online
+from eagle3_ray.extract.pipeline import ExtractConfig, run_extract  # noqa: E402
+from eagle3_ray.train.trainer import TrainConfig  # noqa: E402
 
 
 def free_port() -> int:

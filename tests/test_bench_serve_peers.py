@@ -5,7 +5,11 @@ import os
 
 import pytest
 
-from eagle3_ray import bench_serve, checkpoint, data, draft, kernels, speculate, verifier
+from eagle3_ray.bench import serving as bench_serve
+from eagle3_ray.data import conversations as data
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.serve import kernels, speculate
+from eagle3_ray.train import checkpoint, draft
 
 
 @pytest.fixture
@@ -71,15 +75,12 @@ def test_bench_serve_peer_arms(fp32, tiny_verifier, drafter_dir, tmp_path, capsy
     r = bench_serve.bench_serve(drafter_dir, depths=(0, 1, 3), prompts=1, max_tokens=6, out_dir=out,
                                 spec=tiny_verifier, dynamic=True, peers=False, branches=(2,),
                                 lookup_depths=(4,), lookup_branches=(3,))
-    assert "peers" not in r and r["all_identical"]      # the dynamic, gated, tree and lookup arms
+    assert "peers" not in r and r["all_identical"]      # the dynamic, tree and lookup arms
     for name in ("lookup4", "dynamic-lookup"):          # lookup arms past the deepest fixed one
         row = r["runs"][name]
         assert row["identical_to_depth0"] and "predicted_tokens_per_s" not in row
         assert 0 <= row["lookup_rounds"] <= row["rounds"]
     assert r["runs"]["lookup4"]["lookup_depth"] == 4 and r["best_lookup"] in r["runs"]
-    gated = r["runs"]["gated"]
-    assert 0 < gated["chain_threshold"] < 1
-    assert 0 <= gated["mean_depth"] <= 3 and "predicted_tokens_per_s" not in gated
     tree = r["runs"]["tree2x3"]                         # depth 3 only: 1 is no tree depth
     assert set(k for k in r["runs"] if k.startswith("tree")) == {"tree2x3", "tree2x3+lookup"}
     assert tree["branches"] == 2 and tree["tree_depth"] == 3 and tree["mean_depth"] == 3
@@ -120,7 +121,7 @@ def test_bench_serve_leaves_out_tree_arms_its_host_cannot_run_exactly(
                                 out_dir=str(tmp_path / "bench"), spec=tiny_verifier, dynamic=True,
                                 peers=False, branches=(2,), lookup_depths=(), lookup_branches=(3,))
     assert r["exact"] == {"chain": True, "tree": False} and r["all_identical"]
-    assert set(r["runs"]) == {"0", "3", "dynamic", "gated"}
+    assert set(r["runs"]) == {"0", "3", "dynamic"}
     assert "vs_best_fixed" in r["runs"]["dynamic"]
     left_out = ["branch-lookup3", "dynamic-branch-lookup", "tree2x3", "tree2x3+lookup"]
     assert r["refused_arms"]["arms"] == left_out

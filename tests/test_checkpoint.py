@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_ray import checkpoint, schema, vocab
-from eagle3_ray.draft import DraftConfig
+from eagle3_ray.data import schema
+from eagle3_ray.train import checkpoint, vocab
+from eagle3_ray.train.draft import DraftConfig
 
 AUX = [2, 4, 5]          # vLLM convention -> SGLang [1, 3, 4]
 
@@ -500,7 +501,7 @@ def trained_like(tiny_verifier, tmp_path_factory):
     and every tensor matters) and a draft vocabulary whose d2t offsets are not zero, saved as
     training saves it; the verifier's inputs of every layer on one random sequence."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from eagle3_ray import draft
+    from eagle3_ray.train import draft
     vcfg = AutoConfig.from_pretrained(tiny_verifier)
     dcfg = draft.DraftConfig.from_verifier_config(vcfg, 3000, [2, 4, 5])
     counts = np.random.default_rng(1).integers(0, 1000, vcfg.vocab_size)
@@ -528,8 +529,8 @@ def trained_like(tiny_verifier, tmp_path_factory):
 def project_step0(d: str, spec: str, model, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
     """The project's own path: the drafter as serving loads it, the aux states as extraction
     captures them (verifier.forward_hidden's hooks), step 0 -> draft logits [S-1, Vd]."""
-    from eagle3_ray import verifier
-    from eagle3_ray.checkpoint import load_trained_drafter
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.train.checkpoint import load_trained_drafter
     drafter = load_trained_drafter(d, spec)[0]
     aux, _, _ = verifier.forward_hidden(model, ids, torch.ones_like(ids),
                                         drafter.config.aux_layer_ids)    # [1, S, 3, H]

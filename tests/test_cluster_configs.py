@@ -10,9 +10,10 @@ import shlex
 import pytest
 import yaml
 
-from eagle3_ray import cli, serve
-from eagle3_ray.extract import NODE_RESOURCE_SLIVER
-from eagle3_ray.train import worker_resources
+from eagle3_ray import cli
+from eagle3_ray.serve import app as serve
+from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER
+from eagle3_ray.train.trainer import worker_resources
 
 CLUSTER = os.path.join(os.path.dirname(__file__), "..", "cluster")
 

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import CONVERSATIONS, USABLE_TEXTS
-from eagle3_ray import data
+from eagle3_ray.data import conversations as data
 
 
 def test_truncated_json_array_is_recovered(sharegpt_file):

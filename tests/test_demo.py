@@ -36,15 +36,16 @@ def test_demo_runs_the_four_stages_and_reports(serve_after, tmp_path, capsys):
     assert "[demo] rounds drafted by the lookup fallback: 0 0, 2 " in out
     assert "greedy outputs identical: True" in out
     import torch
-    from eagle3_ray import kernels                      # fp32: the kernels the replica timed
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.serve import kernels                      # fp32: the kernels the replica timed
     fp32 = verifier.default_dtype("cpu") == torch.float32
     assert set(r["few_row_kernels"]) == ({str(n) for n in kernels.TUNED_ROWS} if fp32 else set())
 
 
 def test_replica_kernels_read_back_from_metrics():
     from eagle3_ray.demo import replica_kernels
-    from eagle3_ray.planner import parse_metrics
-    from eagle3_ray.serve import Metrics
+    from eagle3_ray.plan.planner import parse_metrics
+    from eagle3_ray.serve.app import Metrics
     m = parse_metrics(Metrics({1: "linear", 2: "rows", 4: "onednn"}).render())
     assert replica_kernels(m) == {"1": "linear", "2": "rows", "4": "onednn"}
     assert replica_kernels(parse_metrics(Metrics().render())) == {}

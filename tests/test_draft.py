@@ -1,4 +1,4 @@
-"""The drafter (eagle3_ray/draft.py): checkpoint names, RoPE, and building it from a verifier
+"""The drafter (eagle3_ray/train/draft.py): checkpoint names, RoPE, and building it from a verifier
 by reading only its embedding, final norm and lm_head."""
 import json
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from eagle3_ray import draft
+from eagle3_ray.train import draft
 
 V, H = 96, 32
 EXPORT_KEYS = {
@@ -204,7 +204,7 @@ def test_verifier_init_starts_as_the_verifiers_own_layer(tmp_path):
     verifier layer, so step 0 on the verifier's aux states reproduces the verifier's own
     output of that layer (here the last layer: the input of the final norm)."""
     from transformers import AutoConfig
-    from eagle3_ray import verifier
+    from eagle3_ray.engine import hf as verifier
     model = save_llama(tmp_path, tied=False)
     c = draft.DraftConfig.from_verifier_config(AutoConfig.from_pretrained(tmp_path), 24, [1, 2, 3])
     d2t, t2d, _ = mapping(24)

@@ -5,8 +5,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3_ray import kernels, schema, verifier
-from eagle3_ray.extract import ExtractConfig, run_extract
+from eagle3_ray.data import schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.serve import kernels
+from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
 
 
 @pytest.mark.slow
@@ -40,7 +42,9 @@ def test_bench_datasets_past_the_first_slice_leave_the_held_out_prompts_out(
     data.HELDOUT_END on (a second dataset, read with the first as one), never the
     conversations whose prompts the benches decode. The bounds are shrunk here (2 and 4) so
     it runs in seconds on the embedded default."""
-    from eagle3_ray import data, quality, train
+    from eagle3_ray.bench import quality
+    from eagle3_ray.data import conversations as data
+    from eagle3_ray.train import trainer as train
     monkeypatch.setattr(data, "HELDOUT_FIRST", 2)
     monkeypatch.setattr(data, "HELDOUT_END", 4)
     path, m = quality.dataset(str(tmp_path), "orig", 3, 160)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import CONVERSATIONS, USABLE_TEXTS, make_conversations
-from eagle3_ray import data, schema
-from eagle3_ray.extract import ExtractConfig, run_extract
+from eagle3_ray.data import conversations as data, schema
+from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
 
 N_GENERATED = 40
 
@@ -199,7 +199,8 @@ def test_extractor_tokenizes_raw_batches_as_the_tokenize_stage_does(tiny_verifie
     """CPU replicas get raw (sample_id, messages_json) batches and tokenize them themselves; GPU
     replicas get them from the Tokenize actors: the same rows either way, bit for bit."""
     import pyarrow as pa
-    from eagle3_ray import extract, verifier
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.extract import pipeline as extract
     cpu = config(tiny_verifier, conv_file, tmp_path / "o", dtype="float32")
     assert extract.tokenizes_in_extractor(cpu)
     assert not extract.tokenizes_in_extractor(replace(cpu, gpus_per_replica=1))
@@ -223,7 +224,7 @@ def test_extractor_tokenizes_raw_batches_as_the_tokenize_stage_does(tiny_verifie
 def test_part_values_fill_the_part_schema():
     """One sample's column values, cut from padded hidden states; the batch counts."""
     import pyarrow as pa
-    from eagle3_ray import extract
+    from eagle3_ray.extract import pipeline as extract
     row = {"sample_id": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}
     aux, last, greedy = torch.randn(5, 3, 8), torch.randn(5, 8), torch.arange(5)  # padded to 5
     for storage in schema.HIDDEN_STORAGES:
@@ -238,7 +239,7 @@ def test_part_values_fill_the_part_schema():
 def test_offline_cpu_replicas_run_at_niceness_zero(ray_cluster, tiny_verifier):
     """Ray starts workers at niceness 15; an offline CPU replica's runtime_env asks for 0 (a real
     Ray actor reports its niceness). GPU and online replicas keep Ray's default."""
-    from eagle3_ray.extract import replica_runtime_env
+    from eagle3_ray.extract.pipeline import replica_runtime_env
 
     @ray_cluster.remote(num_cpus=0)
     class Probe:

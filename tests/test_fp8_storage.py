@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import make_conversations
-from eagle3_ray import schema
-from eagle3_ray.extract import ExtractConfig, run_extract
+from eagle3_ray.data import schema
+from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
 
 H = 64  # the tiny verifier's hidden size
 
@@ -172,7 +172,7 @@ def test_a_format_2_dataset_without_the_storage_fact_still_reads(datasets, tiny_
 
 
 def test_training_runs_on_an_fp8_dataset(datasets, tiny_verifier, tmp_path):
-    from eagle3_ray.train import TrainConfig, evaluate_drafter, run_train
+    from eagle3_ray.train.trainer import TrainConfig, evaluate_drafter, run_train
     f8_dir, _ = datasets["fp8_e4m3"]
     out = tmp_path / "run"
     run_train(TrainConfig(dataset=f8_dir, output=str(out), verifier=tiny_verifier, ttt_steps=2,

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from eagle3_ray import cli, gpu_check, planner
+from eagle3_ray import cli, gpu_check
+from eagle3_ray.plan import planner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

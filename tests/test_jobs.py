@@ -131,7 +131,7 @@ def test_local_ray_quiets_the_placement_group_cleaner():
         "def levels():\n"
         "    g = logging.getLogger\n"
         "    return (g('ray.train.v2._internal.execution.controller.placement_group_cleaner')"
-        ".getEffectiveLevel(), g('eagle3_ray.train').getEffectiveLevel())\n"
+        ".getEffectiveLevel(), g('eagle3_ray.train.trainer').getEffectiveLevel())\n"
         "print(*ray.get(levels.remote()))\n")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)

@@ -15,10 +15,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eagle3_ray import checkpoint, draft, schema, verifier
-from eagle3_ray.draft import DraftConfig, Eagle3Drafter
-from eagle3_ray.extract import ExtractConfig, dataset_facts
-from eagle3_ray.speculate import Speculator
+from eagle3_ray.data import schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import checkpoint, draft
+from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter
+from eagle3_ray.extract.pipeline import ExtractConfig, dataset_facts
+from eagle3_ray.serve.speculate import Speculator
 
 
 def test_extraction_sorts_the_ids_and_refuses_layer_zero(tiny_verifier, tiny_tokenizer):
@@ -28,7 +30,7 @@ def test_extraction_sorts_the_ids_and_refuses_layer_zero(tiny_verifier, tiny_tok
         return dataset_facts(ExtractConfig(verifier=tiny_verifier, layer_ids=ids), config,
                              tiny_tokenizer)
 
-    # `--layer-ids 5 1 3`: stored (and captured, slot by slot: extract.py forward_hidden with
+    # `--layer-ids 5 1 3`: stored (and captured, slot by slot: engine/hf.py forward_hidden with
     # facts["aux_layer_ids"]) in the engines' order
     assert facts([5, 1, 3])["aux_layer_ids"] == [1, 3, 5]
     assert facts(None)["aux_layer_ids"] == [2, 4, 5]                # (2, L//2, L-3), L = 8
@@ -40,7 +42,7 @@ def test_extraction_sorts_the_ids_and_refuses_layer_zero(tiny_verifier, tiny_tok
 
 
 def test_training_refuses_a_dataset_extracted_in_another_order(tiny_verifier, tmp_path):
-    from eagle3_ray.train import TrainConfig, prepare
+    from eagle3_ray.train.trainer import TrainConfig, prepare
     tok = verifier.load_tokenizer(tiny_verifier)
     config = AutoConfig.from_pretrained(tiny_verifier)
     facts = verifier.verifier_facts(tiny_verifier, config, tok, [1, 3, 5])

@@ -5,7 +5,7 @@ the fallback: tests/test_speculate.py)."""
 import pytest
 import torch
 
-from eagle3_ray.speculate import LookupParams, NgramLookup, SamplingParams, Speculator
+from eagle3_ray.serve.speculate import LookupParams, NgramLookup, SamplingParams, Speculator
 from tests.test_speculate import run, tiny_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")

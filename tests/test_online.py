@@ -12,9 +12,11 @@ import pyarrow as pa
 import pytest
 
 from conftest import make_conversations
-from eagle3_ray import data, online, schema, verifier
-from eagle3_ray.extract import ExtractConfig, dataset_facts
-from eagle3_ray.train import TrainConfig, is_eval
+from eagle3_ray.data import conversations as data, schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import online
+from eagle3_ray.extract.pipeline import ExtractConfig, dataset_facts
+from eagle3_ray.train.trainer import TrainConfig, is_eval
 
 EVAL_FRACTION = 0.15
 
@@ -165,7 +167,10 @@ def test_default_cpus_fit_a_local_ray_and_flags_win(ray_cluster, monkeypatch):
     cluster's 2 CPUs, marked as such), CPUs per worker and replica left to their defaults
     share what the machine has; given flags stand; on a cluster they are 1 each (the autoscaler
     brings CPUs). Default `train --online --num-workers 1` on 2 cores asked for 2.25 before."""
-    from eagle3_ray import extract, launch, serve, train
+    from eagle3_ray import launch
+    from eagle3_ray.extract import pipeline as extract
+    from eagle3_ray.serve import app as serve
+    from eagle3_ray.train import trainer as train
     t = TrainConfig(dataset="", output="x", num_workers=1)
     e = ExtractConfig()
     assert (t.cpus_per_worker, e.cpus_per_replica) == (None, None)       # the defaults: open

@@ -8,8 +8,8 @@ import threading
 import pytest
 import yaml
 
-from eagle3_ray import planner as P
-from eagle3_ray.profile import measure_profile
+from eagle3_ray.plan import planner as P
+from eagle3_ray.serve.profile import measure_profile
 
 DECAYING = [round(max(0.05, 0.8 - 0.05 * i), 4) for i in range(32)]   # 0.8, 0.75, 0.7, ...
 
@@ -258,8 +258,8 @@ def test_acceptance_from_bench_json(tmp_path):
 
 def served_metrics_text() -> str:
     """What a server's /metrics says after 4 depth-3 rounds accepting 3, 1, 0, 2 drafts."""
-    from eagle3_ray.serve import Metrics
-    from eagle3_ray.speculate import Round
+    from eagle3_ray.serve.app import Metrics
+    from eagle3_ray.serve.speculate import Round
     m = Metrics()
     rounds = [Round([1], 0, 0)] + [Round([1] * (a + 1), 3, a) for a in (3, 1, 0, 2)]
     m.rounds(5, rounds)
@@ -491,21 +491,6 @@ def test_allreduce_curve_measured_between_processes(tmp_path):
     assert q.interconnect.allreduce_us == p.interconnect.allreduce_us
     for t in P.CURVE_TOKENS:
         assert P.comm_s(q, t) == pytest.approx(18 * p.interconnect.allreduce_us[t * 128] * 1e-6)
-
-
-def test_chain_threshold_prices_one_more_draft_against_a_decode_step():
-    """min_chain_prob for confidence-gated chains: (draft step + the verify curve's slope per
-    token) / a depth-0 round, the slope fitted over the whole curve so one noisy point does
-    not move it much."""
-    from transformers import LlamaConfig
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
-    line = P.single_device_profile("line", {1: 10.0, 17: 26.0}, 0.5, cfg)  # 1 ms/token
-    assert P.chain_threshold(line, 16) == pytest.approx((0.5 + 1.0) / 10.0)
-    noisy = P.single_device_profile(
-        "noisy", {k: 10.0 + (k - 1) + (-4.0 if k == 4 else 0.0) for k in range(1, 18)}, 0.5, cfg)
-    assert P.chain_threshold(noisy, 16) == pytest.approx(0.15, abs=0.01)
-    flat = P.single_device_profile("flat", {1: 10.0, 17: 8.0}, 0.5, cfg)  # made monotone: 9, 9
-    assert P.chain_threshold(flat, 16) == pytest.approx(0.5 / 9.0)
 
 
 def test_a_measured_curve_that_dips_does_not_send_dynamic_depth_deep():

@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from eagle3_ray import data, quality, schema
+from eagle3_ray.bench import quality
+from eagle3_ray.data import conversations as data, schema
 from eagle3_ray.cli import parse_fields
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import CONVERSATIONS
-from eagle3_ray import data, regen, schema
+from eagle3_ray.data import conversations as data, schema
+from eagle3_ray.extract import regen
 
 PROMPTS = [[5, 9, 17], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [40, 41], [7] * 20,
            [1, 2, 3, 4, 5], [60 + i for i in range(11)]]   # 12 and 11 share a padded prefill
@@ -100,7 +101,7 @@ def test_fast_path_steps():
 
 def test_regen_start_rule():
     sys_, u, a = ({"role": r, "content": r[0]} for r in ("system", "user", "assistant"))
-    from eagle3_ray.extract import regen_start
+    from eagle3_ray.extract.pipeline import regen_start
     assert regen_start([a, u, a]) == [u, a]
     assert regen_start([sys_, a, a, u, a, u, a]) == [sys_, u, a, u, a]
     with pytest.raises(data.SkipRecord, match="no_user_turn"):
@@ -111,7 +112,7 @@ def test_extract_regenerates_conversations_that_open_with_the_assistant(
         ray_cluster, tiny_verifier, tiny_tokenizer, tmp_path):
     """Ray Data path: a conversation opening with an assistant turn is regenerated from its first
     user turn (the old code aborted the job on it); one without a user turn is a counted skip."""
-    from eagle3_ray.extract import ExtractConfig, run_extract
+    from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
     records = [
         {"conversations": [{"from": "gpt", "value": "Welcome! OPENING-TURN"},
                            {"from": "human", "value": "Count to three."},
@@ -145,7 +146,7 @@ def test_extract_regenerates_conversations_that_open_with_the_assistant(
 
 def test_a_failing_record_is_a_counted_skip(tiny_verifier, tmp_path):
     """In-process (no Ray): unreadable records and a failing generation skip only themselves."""
-    from eagle3_ray.extract import ExtractConfig, VerifierExtractor
+    from eagle3_ray.extract.pipeline import ExtractConfig, VerifierExtractor
     cfg = ExtractConfig(verifier=tiny_verifier, output=str(tmp_path / "o"), max_length=128,
                         dtype="float32", regenerate=True, regen_max_new_tokens=3)
     ex = VerifierExtractor(cfg, {})

@@ -1,6 +1,7 @@
-"""The Ray Serve OpenAI app (serve.py) through real HTTP: a real Serve deployment on the test
+"""The Ray Serve OpenAI app (serve/app.py) through real HTTP: a real Serve deployment on the test
 Ray cluster, the tiny random verifier and an untrained drafter saved as a real checkpoint."""
 import argparse
+import importlib
 import json
 import os
 import socket
@@ -11,8 +12,9 @@ import pytest
 import requests
 import yaml
 
-from eagle3_ray import checkpoint, draft, serve
-from eagle3_ray.serve import ServeConfig
+from eagle3_ray.serve import app as serve
+from eagle3_ray.train import checkpoint, draft
+from eagle3_ray.serve.app import ServeConfig
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -274,7 +276,9 @@ def test_serve_yaml_builds_the_app(tiny_verifier, tmp_path):
     path = os.path.join(os.path.dirname(__file__), "..", "cluster", "serve.yaml")
     conf = yaml.safe_load(open(path))
     app = conf["applications"][0]
-    assert app["import_path"] == "eagle3_ray.serve:app_builder"
+    assert app["import_path"] == "eagle3_ray.serve.app:app_builder"
+    # configs written before the stage packages name eagle3_ray.serve:app_builder: still resolves
+    assert importlib.import_module("eagle3_ray.serve").app_builder is serve.app_builder
     args = dict(app["args"], verifier=tiny_verifier,
                 drafter=save_untrained(tiny_verifier, str(tmp_path / "d")))
     built = serve.app_builder(args)
@@ -290,7 +294,7 @@ def test_engine_dynamic_depth_over_a_simulated_interconnect(tiny_verifier, tmp_p
     without speculation_depth get a per-round depth policy planned on the replica's measured
     times plus a SIMULATED PCIe interconnect, which every verify really sleeps; the output is
     still plain decoding's; an explicit speculation_depth still wins."""
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
     node = "pcie-8x-rtx-pro-6000-kimi-k2.5"
     eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
@@ -316,34 +320,11 @@ def test_engine_dynamic_depth_over_a_simulated_interconnect(tiny_verifier, tmp_p
     assert eng.sampling(fixed, len(prompt))[1] == 2
 
 
-def test_engine_draft_gate_caps_at_max_depth_and_keeps_output(tiny_verifier, tmp_path, one_thread):
-    """--draft-gate: the chain thresholds come from the replica's measured costs; a request with
-    dynamic depth gets max_depth as the cap and the gate picks each round's depth; greedy output
-    is plain decoding's and the usage reports the mean depth."""
-    from eagle3_ray import planner
-    drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
-    eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
-                                   max_depth=5, dynamic_depth=True, draft_gate=True,
-                                   torch_threads=1))
-    assert 0 < eng.gate == planner.chain_threshold(eng.depth_profile, 5)
-    req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
-                            temperature=0, max_tokens=10)
-    prompt = eng.prompt_ids(req)
-    sp, depth, _ = eng.sampling(req, len(prompt))
-    assert depth == 5
-    rounds = list(eng.spec.generate(prompt, sp, depth, eng.gate))
-    plain = [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
-    assert [t for r in rounds for t in r.tokens] == plain
-    assert all(0 <= r.drafted <= 5 and len(r.draft_probs) == r.drafted for r in rounds)
-    spec = serve.usage(len(prompt), rounds, depth, None, gated=True)["speculation"]
-    assert spec["gated"] and spec["depth"] == 5
-    assert spec["mean_depth"] == sum(r.drafted for r in rounds[1:]) / (len(rounds) - 1)
-
-
 def test_engine_lookup_fallback_on_by_default_and_off(tiny_verifier, tmp_path, one_thread):
     """The lookup fallback is on unless --no-lookup: the engine hands it to every chain round,
     the output stays plain decoding's, and usage counts the rounds it drafted."""
-    from eagle3_ray import cli, speculate
+    from eagle3_ray import cli
+    from eagle3_ray.serve import speculate
     drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
     eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
                                    torch_threads=1))
@@ -382,7 +363,7 @@ def test_engine_falls_back_to_what_is_exact_on_this_host(tiny_verifier, tmp_path
     its kernels (a MOCK of such kernels: none here) serves chains instead of --branches and
     --lookup-branch, and one whose multi-token verify is inexact serves depth 0; each says why
     in its log and /health (fallbacks), and greedy output stays the verifier's."""
-    from eagle3_ray import speculate
+    from eagle3_ray.serve import speculate
     drafter = save_untrained(tiny_verifier, str(tmp_path / "d"))
     cfg = ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL, depth=3,
                       branches=2, lookup_branch=True, torch_threads=1)

@@ -1,4 +1,4 @@
-"""The vLLM engine option of serving (serve_vllm.py): a real drafter checkpoint is exported to
+"""The vLLM engine option of serving (serve/vllm.py): a real drafter checkpoint is exported to
 vLLM's layout and turned into ray.serve.llm LLMConfig arguments.
 
 vLLM is not installed here (and cannot be), so nothing is deployed: the tests check the export
@@ -21,14 +21,15 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_ray import checkpoint, serve_vllm, vocab
-from eagle3_ray.draft import DraftConfig
+from eagle3_ray.serve import vllm as serve_vllm
+from eagle3_ray.train import checkpoint, vocab
+from eagle3_ray.train.draft import DraftConfig
 
 AUX = [2, 4, 5]                           # (2, L//2, L-3) for L = 8, vLLM convention
 
 try:
-    from eagle3_ray.serve import ServeConfig
-except Exception:                         # serve.py absent or broken: a stand-in with its fields
+    from eagle3_ray.serve.app import ServeConfig
+except Exception:                         # serve/app.py absent or broken: a stand-in
     ServeConfig = None
 
 DEFAULTS = dict(verifier="", drafter=None, model_name="eagle3-ray", depth=4, max_depth=16,

@@ -10,9 +10,10 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import make_conversations
-from eagle3_ray import cli, schema
-from eagle3_ray.extract import ExtractConfig, run_extract
-from eagle3_ray.train import ParquetShard, TrainConfig, is_eval, run_train
+from eagle3_ray import cli
+from eagle3_ray.data import schema
+from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
+from eagle3_ray.train.trainer import ParquetShard, TrainConfig, is_eval, run_train
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_mismatched_dataset_is_refused_before_training(ray_cluster, tiny_verifie
 def test_several_datasets_are_read_as_one(tiny_verifier, dataset, tmp_path):
     """`--dataset A,B` (e.g. original and regenerated answers): both manifests checked,
     every part of both in the shards, each read from its own location."""
-    from eagle3_ray import train
+    from eagle3_ray.train import trainer as train
     other = tmp_path / "other"
     shutil.copytree(dataset, other)
     both = f"{dataset},{other}"
@@ -172,7 +173,7 @@ def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
     of the train split (fewer than `world` rows left out), eval shards cover the eval split once,
     the batches hold every row of a shard in order, across part boundaries, and set_epoch
     reorders a shard's rows per epoch, reproducibly."""
-    from eagle3_ray.train import ParquetShard
+    from eagle3_ray.train.trainer import ParquetShard
     names = [f["name"] for f in schema.read_manifest(dataset)["files"]]
     fs, root = schema.resolve_fs(dataset)
     ids = [s for n in names for s in schema.read_column(fs, f"{root}/{n}", "sample_id")]
@@ -206,7 +207,7 @@ def test_depth_curriculum_lr_schedule_and_precision():
     """Pure helpers of the loop: the TTT depth ramp, the lr schedule on the shared clock, the
     precision choice, and metric sums from a shallower unroll."""
     import torch
-    from eagle3_ray import train, ttt
+    from eagle3_ray.train import trainer as train, ttt
     cfg = TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0.5, max_steps=100, warmup_steps=10,
                       lr=1e-3, min_lr_ratio=0.1)
     depths = [train.depth_at(cfg, s, 0.0) for s in range(100)]
@@ -238,7 +239,7 @@ def test_vocab_source_and_recompute_choices():
     """The draft vocab is counted over the verifier's argmax when the dataset has it, else over
     the response tokens; recompute follows the device, and bad values are refused before
     anything starts."""
-    from eagle3_ray import train
+    from eagle3_ray.train import trainer as train
     auto = TrainConfig(dataset="x")
     assert train.vocab_column(True) == "target_ids"
     assert train.vocab_column(False) == "input_ids"                # online, format 1
@@ -255,8 +256,8 @@ def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
     workers have). A drafter of other shapes is refused, naming the tensor."""
     import torch
     import torch.distributed as dist
-    from eagle3_ray import train
-    from eagle3_ray.draft import DraftConfig, Eagle3Drafter
+    from eagle3_ray.train import trainer as train
+    from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter
     c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     intermediate_size=48, vocab_size=64, draft_vocab_size=16)
     cfg = TrainConfig(dataset="x")
@@ -307,7 +308,9 @@ def test_sweep_trains_each_arm_in_its_own_process_and_evaluates_held_out(tiny_ve
     each arm's drafter is kept and decodes a held-out prompt through the real decoder. An arm
     may train on its own dataset. snapshots: the drafter as it was after that many minutes is
     kept beside it (none for a time past the arm's budget)."""
-    from eagle3_ray import checkpoint, planner, sweep
+    from eagle3_ray.bench import sweep
+    from eagle3_ray.plan import planner
+    from eagle3_ray.train import checkpoint
     own = tmp_path / "own_data"
     shutil.copytree(dataset, own)
     base = {"verifier": tiny_verifier, "draft_vocab_size": 49152, "eval_fraction": 0.15,

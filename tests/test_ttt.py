@@ -1,12 +1,12 @@
-"""The TTT unroll (eagle3_ray/ttt.py) against a naive reference: every step's keys of every
+"""The TTT unroll (eagle3_ray/train/ttt.py) against a naive reference: every step's keys of every
 position concatenated, one full boolean mask, full logits, no chunking."""
 import math
 
 import pytest
 import torch
 
-from eagle3_ray import ttt
-from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher, rms_norm
+from eagle3_ray.train import ttt
+from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter, Teacher, rms_norm
 
 B, S, V, VD = 2, 12, 50, 20
 

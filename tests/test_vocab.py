@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle3_ray import schema, vocab
+from eagle3_ray.data import schema
+from eagle3_ray.train import vocab
 
 V, H = 50, 4
 HIDDEN = ("aux_hidden_states", "last_hidden_states")

@@ -3,7 +3,7 @@ verify what a one-token decode step computes (batch invariant, so greedy specula
 bf16), tree attention (every root-to-leaf path of a speculative tree attends as a chain), and
 linears on oneDNN/MKL kernels suited to the few rows a verify carries, tuned per host.
 
-    python -m eagle3_ray.verify_cost --threads 1      # a verify of k tokens against k decode steps
+    python -m eagle3_ray.bench.verify_cost --threads 1   # a verify of k tokens vs k decode steps
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
 
 # Few-row CPU matmuls (a decode step: 1 row, a speculative verify: 2-33). Measured on this
 # project's 2-core AVX512-BF16 CPU and with it capped at AVX2, SmolLM2's 7 linears x 30 layers,
-# 1 thread (eagle3_ray/verify_cost.py measures whole verifies):
+# 1 thread (eagle3_ray/bench/verify_cost.py measures whole verifies):
 # - F.linear re-lays out a plain weight on every call; oneDNN with the weight packed once
 #   (mkldnn._reorder_linear_weight) is x1.3-1.9 faster in bf16 and, in fp32 from 3 rows on,
 #   x1.2-1.6 (AVX2) / x1.5-2 (AVX512). Its rows agree bit for bit for every row count from 2
@@ -390,7 +390,7 @@ def make_batch_invariant(model) -> None:
     carries, so speculative verification (d+1 tokens) computes bit for bit what plain decoding
     (1 token) does. Needed for exact greedy equality in bf16/fp16; fp32 rounding differences are
     ~1e-7 and stay below argmax ties in practice. Measured on a 2-core AVX512-BF16 CPU (SmolLM2,
-    bf16, 1 thread): see eagle3_ray/verify_cost.py."""
+    bf16, 1 thread): see eagle3_ray/bench/verify_cost.py."""
     from transformers import AttentionInterface
     AttentionInterface.register(INVARIANT_ATTENTION, batch_invariant_attention)
     model.set_attn_implementation(INVARIANT_ATTENTION)

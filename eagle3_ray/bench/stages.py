@@ -1,7 +1,7 @@
 """Benchmarks, measured side by side in one run (these machines are shared and noisy).
 
 bench quality / bench recipe (drafters compared by served acceptance): see quality.py.
-bench serve (the server's decoder at each depth, beside transformers' own): see bench_serve.py.
+bench serve (the server's decoder at each depth, beside transformers' own): see serving.py.
 bench storage (bf16 vs fp8_e4m3 hidden states: bytes/token, drafter accuracy): its block below.
 
 bench extract: the Ray Data extraction pipeline against a plain transformers forward loop over
@@ -23,7 +23,9 @@ import time
 
 import torch
 
-from eagle3_ray import data, ttt, verifier
+from eagle3_ray.data import conversations as data
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import ttt
 
 
 def save_result(out_dir: str, name: str, result: dict, plot) -> None:
@@ -67,7 +69,7 @@ def plain_loop(spec: str, seqs: list[list[int]], layer_ids: list[int], threads: 
 
 
 def pipeline(spec: str, samples: int, max_length: int) -> dict:
-    from eagle3_ray.extract import ExtractConfig, run_extract
+    from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
     out = tempfile.mkdtemp(prefix="bench-extract-")
     try:
         t0 = time.perf_counter()
@@ -96,7 +98,7 @@ def bench_extract(samples: int = 128, max_length: int = 512, out_dir: str = "run
             seqs.append(data.tokenize_conversation(tok, messages, max_length)[0])
         except data.SkipRecord:
             pass
-    from eagle3_ray.extract import ExtractConfig, replica_threads
+    from eagle3_ray.extract.pipeline import ExtractConfig, replica_threads
     threads = replica_threads(ExtractConfig())  # the extractor actor's torch threads
     runs = {"plain_loop": [], "pipeline": []}
     for r in range(repeats):
@@ -162,7 +164,8 @@ def _plot(result: dict, path: str) -> None:
 # One optimizer step of the TTT unroll (forward + backward + AdamW) at SmolLM2 shapes with random
 # weights, per ttt_steps, each in a fresh process so its memory high-water mark is its own.
 #
-#     python -c "from eagle3_ray.bench import bench_train; bench_train(ttt_steps=(1, 2), seq=256)"
+#     python -c "from eagle3_ray.bench.stages import bench_train; \
+#                bench_train(ttt_steps=(1, 2), seq=256)"
 
 def _status_mib(field: str) -> float:
     """VmRSS / VmHWM of this process from /proc/self/status, in MiB."""
@@ -189,8 +192,8 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
     """Runs in a fresh (spawned) process: build, then time `warmup + steps` optimizer steps."""
     import resource
     import statistics
-    from eagle3_ray import ttt
-    from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher
+    from eagle3_ray.train import ttt
+    from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter, Teacher
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
     c = DraftConfig(**shapes)
@@ -356,7 +359,7 @@ def bench_regen(prompts: int = 32, max_new_tokens: int = 128, batch: int = 32,
     """Generated tokens/s of each arm, its ratio to the one-prompt-at-a-time loop, and how many
     greedy outputs are identical to that loop's. Writes <out_dir>/<name>.json + .png.
     threads: torch threads (0: torch's default)."""
-    from eagle3_ray import regen
+    from eagle3_ray.extract import regen
     if threads:
         torch.set_num_threads(threads)
     model, tok = verifier.load_verifier(spec), verifier.load_tokenizer(spec)
@@ -488,7 +491,7 @@ def _storage_error(bf16_dir: str, fp8_dir: str, spec: str, rows: int = 16) -> di
     states per token vector, and how often the teacher's argmax (lm_head(norm(last))) from fp8
     / bf16 states equals the verifier's own argmax at extraction (target_ids)."""
     import pyarrow.parquet as pq
-    from eagle3_ray import schema
+    from eagle3_ray.data import schema
 
     def read(path, want=None):
         fs, root = schema.resolve_fs(path)
@@ -536,8 +539,8 @@ def bench_storage(conversations: int = 600, max_length: int = 512, steps: int = 
     <out_dir>/storage.json + storage.png; datasets and runs under <out_dir>/storage/."""
     if noise not in ("auto", "always", "never"):
         raise ValueError(f"noise must be auto, always or never, got {noise!r}")
-    from eagle3_ray.extract import ExtractConfig, run_extract
-    from eagle3_ray.train import TrainConfig, evaluate_drafter, run_train
+    from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
+    from eagle3_ray.train.trainer import TrainConfig, evaluate_drafter, run_train
     root = os.path.join(out_dir, "storage")
     if fresh:
         shutil.rmtree(root, ignore_errors=True)

@@ -36,7 +36,7 @@ that hid one more diagonal per step went in SpecForge #245, "remove attention ma
 Difference from SpecForge (specforge/algorithms/eagle3/model.py, formerly core/eagle3.py, on
 purpose): the loss mask is taken at the target's position t+1+k (SpecForge: t+k).
 
-    python -m eagle3_ray.ttt --ttt-steps 4      # tiny random drafter + batch: loss and metrics
+    python -m eagle3_ray.train.ttt --ttt-steps 4   # tiny random drafter + batch: loss and metrics
 """
 from __future__ import annotations
 
@@ -363,7 +363,7 @@ def aggregate_metrics(metrics: list[dict]) -> dict:
 
 
 def main(argv=None):
-    from eagle3_ray.draft import DraftConfig, Eagle3Drafter, Teacher
+    from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter, Teacher
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)

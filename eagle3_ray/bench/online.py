@@ -18,9 +18,11 @@ import os
 import shutil
 import time
 
-from eagle3_ray import bench, online, quality, schema, train
-from eagle3_ray.extract import ExtractConfig, run_extract
-from eagle3_ray.train import TrainConfig
+from eagle3_ray.bench import quality, stages as bench
+from eagle3_ray.data import schema
+from eagle3_ray.train import online, trainer as train
+from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
+from eagle3_ray.train.trainer import TrainConfig
 
 ARMS = ("offline", "online", "online_cache")
 EVAL_DEPTH = 8

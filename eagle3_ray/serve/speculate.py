@@ -35,7 +35,7 @@ The drafter's KV cache holds, per position t, the keys of (token t+1, verifier s
 steps append at t+1, t+2, ... and are dropped after verification — the same pattern the TTT
 unroll trains (ttt.py: step-0 keys causally, plus the drafter's own steps at one position).
 
-    python -m eagle3_ray.speculate --prompt "What is Ray?" --depth 4   # embedded verifier,
+    python -m eagle3_ray.serve.speculate --prompt "What is Ray?" --depth 4   # embedded verifier,
                                                                       # untrained drafter
 """
 from __future__ import annotations
@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from eagle3_ray import kernels, verifier as verifier_lib
+from eagle3_ray.engine import hf as verifier_lib
+from eagle3_ray.serve import kernels
 
 log = logging.getLogger(__name__)
 
@@ -412,16 +413,14 @@ class Speculator:
         return out, self.drafter.logits(out)[0, -1].float()               # [Vd]
 
     def _draft_chain(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
-                     sp: SamplingParams, gen, min_chain_prob: float = 0.0,
-                     fallback: list[int] = (), below: float = 0.0):
+                     sp: SamplingParams, gen, fallback: list[int] = (), below: float = 0.0):
         """One round's chain: the drafter absorbs (tokens, aux [1, s, 3H]) into kv, then
-        proposes up to `depth` drafts, each step fed its own previous state; the chain stops
-        early where the product of its own probabilities falls below min_chain_prob. ->
+        proposes `depth` drafts, each step fed its own previous state ->
         (drafts, their q over the full vocab (None if greedy), the drafter's probabilities,
         whether the drafts are `fallback`'s). fallback: drafts from elsewhere (the lookup),
         returned instead (q one-hot, no probabilities) when the drafter's first draft has
         probability < below."""
-        drafts, qs, confs, chain = [], [], [], 1.0
+        drafts, qs, confs = [], [], []
         h, logits_d = self._draft_step(tokens, aux, kv)
         if fallback and float(logits_d.softmax(-1).max()) < below:
             vocab = self.drafter.t2d.shape[0]
@@ -430,9 +429,6 @@ class Speculator:
             return list(fallback), qs, [], True
         for i in range(depth):
             tok, q, conf = self._propose(logits_d, sp, gen)
-            chain *= conf
-            if chain < min_chain_prob:
-                break                              # not worth its verify: the chain ends here
             drafts.append(tok)
             qs.append(q)
             confs.append(conf)
@@ -441,33 +437,26 @@ class Speculator:
         return drafts, qs, confs, False
 
     def _draft_branches(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
-                        branches: int, min_chain_prob: float = 0.0, match: list[int] = ()):
+                        branches: int, match: list[int] = ()):
         """Greedy chains forked at the first draft: the drafter absorbs (tokens, aux) into kv
         as _draft_chain does; its top-`branches` first drafts are each continued greedily to
-        `depth` tokens, one batched drafter step per depth. A chain ends where the product of
-        the drafter's own probabilities falls below min_chain_prob; empty chains are dropped.
+        `depth` tokens, one batched drafter step per depth.
         match: the lookup's drafts, one more chain (the last) unless a chain begins with them.
         -> (chains, whether match is one of them)."""
         h, logits_d = self._draft_step(tokens, aux, kv)                        # [1, 1, H], [Vd]
-        p, top = logits_d.softmax(-1).topk(min(branches, len(logits_d)))      # [b], [b]
+        _, top = logits_d.softmax(-1).topk(min(branches, len(logits_d)))      # [b]
         tokens = self.drafter.draft_to_target(top)                             # [b]
-        chain_p = p.tolist()
-        chains = [[int(t)] if q >= min_chain_prob else [] for t, q in zip(tokens, chain_p)]
+        chains = [[int(t)] for t in tokens]
         attend, start = BranchKV(kv), len(kv)
         hs = h.expand(len(chains), 1, h.shape[-1])                            # [b, 1, H]
         for i in range(1, depth):
-            if not any(len(c) == i for c in chains):                           # all ended
-                break
             pos = torch.full((len(chains), 1), start + i - 1, device=self.device)  # [b, 1]
             hs = self.drafter(tokens[:, None], hs.to(self.drafter.fc.weight.dtype), pos,
                               attend=attend)                                   # [b, 1, H]
-            p, top = self.drafter.logits(hs)[:, 0].float().softmax(-1).max(-1)  # [b], [b]
+            _, top = self.drafter.logits(hs)[:, 0].float().softmax(-1).max(-1)  # [b]
             tokens = self.drafter.draft_to_target(top)                         # [b]
-            for c, t, q in zip(range(len(chains)), tokens.tolist(), p.tolist()):
-                chain_p[c] *= q
-                if len(chains[c]) == i and chain_p[c] >= min_chain_prob:       # still growing
-                    chains[c].append(t)
-        chains = [c for c in chains if c]
+            for c, t in zip(chains, tokens.tolist()):
+                c.append(t)
         if match and not any(c[:len(match)] == match for c in chains):
             return chains + [match], True
         return chains, False
@@ -489,16 +478,10 @@ class Speculator:
 
     @torch.inference_mode()
     def generate(self, prompt: list[int], sp: SamplingParams, depth: int = 0,
-                 min_chain_prob: float = 0.0, branches: int = 1,
-                 lookup: LookupParams | None = None) -> Iterator[Round]:
+                 branches: int = 1, lookup: LookupParams | None = None) -> Iterator[Round]:
         """Yield Rounds until EOS or max_tokens; the caller may stop early (stop strings, a
         disconnected client) by closing the generator. `depth` may also be a callable
         (stats so far: list[Round]) -> int, for a depth chosen per round.
-        min_chain_prob: a round's chain stops before draft k once the product of the
-        drafter's own probabilities of drafts 1..k (its estimate that all of them are
-        accepted) is below it (planner.chain_threshold); `depth` is then the cap. The stop
-        looks at the drafts only, never at the verifier, so greedy output and the sampling
-        distribution stay exactly the verifier's.
         branches: draft that many chains forked at the first draft and verify them together
         (module docstring); greedy only.
         lookup: the lookup fallback's parameters (module docstring); None = off. Its drafts are
@@ -532,13 +515,12 @@ class Speculator:
             drafts, qs, confs, chains, looked_up = [], [], [], [], False
             if d > 0 and tree:
                 chains, looked_up = self._draft_branches(absorb, absorb_aux, kv, d, branches,
-                                                         min_chain_prob, match)
+                                                         match)
                 if len(chains) == 1:                       # one chain: a plain verify
                     drafts, qs, chains = chains[0], [None] * len(chains[0]), []
             elif d > 0:
                 drafts, qs, confs, looked_up = self._draft_chain(
-                    absorb, absorb_aux, kv, d, sp, gen, min_chain_prob, match,
-                    lookup.below if lookup else 0.0)
+                    absorb, absorb_aux, kv, d, sp, gen, match, lookup.below if lookup else 0.0)
             t1 = time.perf_counter()                       # verify and accept
             n = cache.get_seq_length()                     # x goes to position n
             ids, keep, bonus, aux, won = self._verify_round(x, drafts, qs, chains, cache, sp, gen)
@@ -632,7 +614,8 @@ class TextStream:
 
 
 def main(argv=None):
-    from eagle3_ray import data, draft
+    from eagle3_ray.data import conversations as data
+    from eagle3_ray.train import draft
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--verifier", default=verifier_lib.EMBEDDED_VERIFIER)
     p.add_argument("--drafter", help="a trained drafter dir (default: an untrained one)")
@@ -642,7 +625,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     tok, model = verifier_lib.load_tokenizer(a.verifier), verifier_lib.load_verifier(a.verifier)
     if a.drafter:
-        from eagle3_ray.checkpoint import load_trained_drafter
+        from eagle3_ray.train.checkpoint import load_trained_drafter
         drafter = load_trained_drafter(a.drafter, a.verifier)[0]
     else:
         drafter = draft.untrained_drafter(a.verifier)[0]

@@ -41,10 +41,10 @@ use the builtin engine, which checks the key itself.
 
 CPU-sized command (vLLM not needed; prints what would be deployed):
 
-    python -c "from eagle3_ray.serve import ServeConfig; from eagle3_ray import serve_vllm as v; \
+    python -c "from eagle3_ray.serve.app import ServeConfig; from eagle3_ray.serve import vllm; \
 cfg = ServeConfig(verifier='meta-llama/Llama-3.1-8B-Instruct', drafter='runs/demo/train/drafter', \
 engine='vllm', depth=4, gpus_per_replica=4, node_resource='pcie_node', api_key=None); \
-print(v.llm_config(cfg, v.ensure_vllm_export(cfg)))"
+print(vllm.llm_config(cfg, vllm.ensure_vllm_export(cfg)))"
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ import importlib.util
 import json
 import os
 
-from eagle3_ray import checkpoint
-from eagle3_ray.extract import NODE_RESOURCE_SLIVER  # 0.001: pins, never limits (as serve.py)
+from eagle3_ray.train import checkpoint
+from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER  # 0.001: pins, never limits
 
 EXPORT_SUBDIR = "export-vllm"             # <drafter>/export-vllm
 SOURCE_FILE = "eagle3_ray_source.json"    # in the export: sizes + sha256 of the drafter it came from
@@ -110,10 +110,9 @@ def refuse_api_key(cfg) -> None:
             "api_key is set (cfg.api_key or EAGLE3_RAY_API_KEY), but ray.serve.llm's OpenAI app "
             "(Ray 2.60) checks no API key: refusing to serve without it. Put an authenticating "
             "gateway in front and unset the key, or use --engine builtin")
-    if cfg.dynamic_depth or cfg.draft_gate or cfg.simulate_interconnect:
-        raise ValueError("dynamic_depth, draft_gate and simulate_interconnect are features of "
-                         "the builtin engine; vLLM serves the fixed depth "
-                         "(num_speculative_tokens)")
+    if cfg.dynamic_depth or cfg.simulate_interconnect:
+        raise ValueError("dynamic_depth and simulate_interconnect are features of the builtin "
+                         "engine; vLLM serves the fixed depth (num_speculative_tokens)")
 
 
 def tensor_parallel_size(cfg) -> int:
@@ -201,7 +200,7 @@ def _check_drafter_fits(cfg) -> None:
     """Refuse a drafter that does not fit a local verifier now, not in a GPU replica."""
     if not os.path.isfile(os.path.join(cfg.verifier, "config.json")):
         return                            # an HF id or URI: vLLM checks it when it loads
-    from eagle3_ray import verifier as verifier_lib
+    from eagle3_ray.engine import hf as verifier_lib
     checkpoint.check_drafter(cfg.drafter, verifier_lib.load_config(cfg.verifier), cfg.verifier)
 
 

@@ -2,9 +2,10 @@
 
     conversation files -> read tasks, inside the pipeline: normalize, split train/eval by
                           sample-id hash, drop the ids the trainer already consumed this epoch
-      -> Tokenize actors -> VerifierExtractor actors (extract.py, emit="rows": the hidden-state
-         rows go through Ray's object store; with --cache also written as offline Parquet parts)
-      -> TorchTrainer workers: get_dataset_shard("train"), the same batches as offline (train.py)
+      -> Tokenize actors -> VerifierExtractor actors (extract/pipeline.py, emit="rows": the
+         hidden-state rows go through Ray's object store; with --cache also written as offline
+         Parquet parts)
+      -> TorchTrainer workers: get_dataset_shard("train"), the same batches as offline (trainer.py)
 
 Each epoch re-runs the pipeline (Ray Train re-executes its dataset per epoch). With `--cache DIR`
 the first epoch also writes DIR as an offline dataset (parts + manifest.json) and the epochs
@@ -33,7 +34,10 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from eagle3_ray import data, extract, schema, train, verifier, vocab
+from eagle3_ray.data import conversations as data, schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.extract import pipeline as extract
+from eagle3_ray.train import trainer as train, vocab
 
 SOURCE_FILE = "online/source.json"      # in the run dir: the facts of the run's hidden states
 SKIP_FILE = "online/skip.json"          # in the run dir: ids the read tasks drop this epoch

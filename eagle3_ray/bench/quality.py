@@ -26,7 +26,9 @@ import time
 
 import torch
 
-from eagle3_ray import data, schema, ttt, verifier
+from eagle3_ray.data import conversations as data, schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import ttt
 
 SERVED_DEPTH = 16
 
@@ -37,8 +39,9 @@ def served_acceptance(drafter_dir: str, prompts: int = 16, max_tokens: int = 96,
     decoder. -> counts per position, cond_acc (a_k = P(k accepted | 0..k-1 accepted)),
     tau_by_depth[d] = 1 + sum_{i<d} prod_{j<=i} a_j for d = 0..depth, and the measured
     acceptance length (tokens per verify round at `depth`)."""
-    from eagle3_ray import planner, speculate
-    from eagle3_ray.checkpoint import load_trained_drafter
+    from eagle3_ray.plan import planner
+    from eagle3_ray.serve import speculate
+    from eagle3_ray.train.checkpoint import load_trained_drafter
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     check_unseen(drafter_dir, meta)
     spec = spec or meta["verifier"]
@@ -78,7 +81,7 @@ def training_slices(meta: dict) -> list[tuple[str, list, int, int | None]]:
             continue
         out.append((schema.manifest_path(uri), cfg.get("inputs") or [],
                     cfg.get("sample_offset") or 0, cfg.get("sample_limit")))
-    from eagle3_ray.online import read_source
+    from eagle3_ray.train.online import read_source
     run_dir = (meta.get("train_config") or {}).get("output") or ""
     source, src = read_source(run_dir) if run_dir else ("", None)
     if src is not None:
@@ -110,7 +113,7 @@ def dataset(root: str, kind: str, conversations: int, max_length: int,
     first data.HELDOUT_FIRST the rest come from data.HELDOUT_END on (<root>/<kind>-from<END>),
     so the held-out prompts stay out of training; the path is then both, joined by a comma
     (read as one dataset). Resumes. -> (path, its manifest: schema.read_datasets)."""
-    from eagle3_ray.extract import ExtractConfig, run_extract
+    from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
     if kind not in ("orig", "regen"):
         raise ValueError(f"data must be orig or regen, got {kind!r}")
     first = min(conversations, data.HELDOUT_FIRST)
@@ -144,7 +147,7 @@ def _curve(run_dir: str) -> list[dict]:
 def train_arm(name: str, data_dir: str, run_dir: str, overrides: dict, minutes: float,
               steps: int, max_length: int, eval_every: int, served: dict) -> dict:
     """Train (or resume) one arm's drafter, then evaluate it teacher-forced and served."""
-    from eagle3_ray.train import TrainConfig, evaluate_drafter, run_train
+    from eagle3_ray.train.trainer import TrainConfig, evaluate_drafter, run_train
     cfg = dict(dataset=data_dir, output=run_dir, max_steps=steps or 1_000_000,
                max_minutes=minutes if not steps else 0, max_seq_len=max_length,
                eval_every=eval_every, log_every=25, checkpoint_every=200, eval_fraction=0.05,
@@ -217,7 +220,7 @@ def compare(name: str, arms: dict[str, dict], conversations: int = 1200, max_len
                       f"with the real decoder at depth {SERVED_DEPTH}; tau_by_depth[d] = 1 + "
                       "sum_{i<d} prod_{j<=i} cond_acc_j. curve: teacher-forced held-out eval "
                       "during training against training minutes."}
-    from eagle3_ray.bench import save_result
+    from eagle3_ray.bench.stages import save_result
     save_result(out_dir, name, result, plot_compare)
     print(f"[bench] {name} -> {out_dir}/{name}.json, {out_dir}/{name}.png")
     return result
@@ -226,7 +229,7 @@ def compare(name: str, arms: dict[str, dict], conversations: int = 1200, max_len
 def host_flags() -> list[str]:
     """bench.host_flags: the CPU flags that decide the fast paths here and the variables that
     cap them, as a short label."""
-    from eagle3_ray import bench
+    from eagle3_ray.bench import stages as bench
     return bench.host_flags()
 
 

@@ -27,7 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle3_ray import __version__, data, schema, verifier
+from eagle3_ray import __version__
+from eagle3_ray.data import conversations as data, schema
+from eagle3_ray.engine import hf as verifier
 
 SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("tokens", pa.int64()),
                             ("loss_tokens", pa.int64()), ("skipped", pa.string()),
@@ -455,7 +457,7 @@ class VerifierExtractor:
         """New token ids per prompt, batched; if a batch fails, each prompt is retried alone
         and the ones that still fail come back as None (their records are skipped)."""
         if self.generator is None:
-            from eagle3_ray import regen
+            from eagle3_ray.extract import regen
             self.generator = regen.BatchGenerator(
                 self.model, self.pad_id, verifier.eos_ids(self.model, self.tok),
                 regen.GenerateConfig(temperature=self.cfg.regen_temperature,

@@ -13,7 +13,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from eagle3_ray import checkpoint, draft, planner, speculate, verifier
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.plan import planner
+from eagle3_ray.serve import speculate
+from eagle3_ray.train import checkpoint, draft
 
 
 def measure_profile(spec: str | None = None, drafter_dir: str | None = None,

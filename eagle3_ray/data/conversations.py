@@ -10,7 +10,7 @@ Tokenization renders the conversation with the verifier tokenizer's chat templat
 `loss_mask = 1` exactly on the tokens of assistant message contents (found by character offsets,
 so it works for templates without `{% generation %}` markers).
 
-    python -m eagle3_ray.data embedded:sharegpt --limit 1000   # prints counts by skip reason
+    python -m eagle3_ray.data.conversations embedded:sharegpt --limit 1000  # counts by skip reason
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 
 def _open(path: str, mode: str = "rb"):
     if "://" in path:
-        from eagle3_ray.schema import resolve_fs
+        from eagle3_ray.data.schema import resolve_fs
         fs, p = resolve_fs(path)
         return fs.open_input_file(p)
     return open(path, mode)

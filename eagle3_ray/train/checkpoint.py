@@ -50,7 +50,8 @@ their sources; no code taken):
     (src/speculators/models/eagle3/core.py, model.py load_verifier_weights) reads the verifier's
     config and embedding from name_or_path, so that is the materialized verifier directory.
 
-    python -c "import eagle3_ray.checkpoint as c; c.export('runs/train/drafter', 'runs/sglang', 'sglang')"
+    python -c "from eagle3_ray.train import checkpoint as c; \
+c.export('runs/train/drafter', 'runs/sglang', 'sglang')"
 """
 from __future__ import annotations
 
@@ -66,9 +67,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from eagle3_ray import __version__, draft, schema, verifier
-from eagle3_ray.draft import DraftConfig
-from eagle3_ray.vocab import check_mapping
+from eagle3_ray import __version__
+from eagle3_ray.data import schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import draft
+from eagle3_ray.train.draft import DraftConfig
+from eagle3_ray.train.vocab import check_mapping
 
 WEIGHTS, CONFIG, META = "model.safetensors", "config.json", "meta.json"
 FILES = (WEIGHTS, CONFIG, META)
@@ -352,7 +356,7 @@ def load_drafter(directory: str) -> tuple[dict[str, torch.Tensor], DraftConfig, 
 def check_drafter(directory: str, vcfg, verifier_name: str = "the verifier") -> dict:
     """Refuse a drafter that does not fit a verifier (its transformers config `vcfg`): hidden
     size, vocab, aux layer ids, the verifier config hash it was trained on. Reads only the
-    drafter's config/meta JSON. Returns its meta. (Both servers, serve.py and serve_vllm.py,
+    drafter's config/meta JSON. Returns its meta. (Both servers, serve/app.py and serve/vllm.py,
     call it from here: neither imports the other for it.)"""
     c, meta = read_drafter_config(directory)
     problems = []

@@ -12,7 +12,7 @@ A round's fixed costs (N_ar·α of all-reduce latency, reading the weights once)
 the deeper it drafts, so a node with slow all-reduces (PCIe) goes deeper than one with fast ones
 (NVLink); growing per-token costs (draft steps, MoE experts touched, transfer) stop it.
 
-A node profile is data: a YAML file (eagle3_ray/profiles/<name>.yaml, or any path) with the
+A node profile is data: a YAML file (eagle3_ray/plan/profiles/<name>.yaml, or any path) with the
 verify compute time per number of tokens, the draft step time and the interconnect: α/β, or a
 measured all-reduce time per message size (`interconnect.allreduce_us`, interpolated log-log;
 α/β is the fallback when a profile has none). `eagle3-ray profile` measures one (the curve with
@@ -37,7 +37,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from eagle3_ray import ttt
+from eagle3_ray.train import ttt
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 EXTRAPOLATION_WINDOW = 3      # known positions averaged for the extrapolation base
@@ -149,7 +149,7 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
 
 
 def profile_path(name_or_path: str) -> str:
-    """A path as is; a bare name -> the packaged eagle3_ray/profiles/<name>.yaml."""
+    """A path as is; a bare name -> the packaged eagle3_ray/plan/profiles/<name>.yaml."""
     if os.sep in name_or_path or name_or_path.endswith((".yaml", ".yml")):
         return name_or_path
     return os.path.join(PROFILE_DIR, f"{name_or_path}.yaml")
@@ -277,18 +277,6 @@ def _ls_slope(xs: list[float], ys: list[float]) -> float:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-
-
-def chain_threshold(profile: NodeProfile, max_depth: int) -> float:
-    """Confidence-gated drafting: the chance that a round's drafts so far are all accepted
-    below which one more draft costs more than it is expected to bring — a draft step plus one
-    more verified token (the least-squares slope of the verify curve over 1..max_depth+1
-    tokens: a measured curve is noisy point to point), over the time a token takes at depth 0.
-    Speculator.generate's min_chain_prob, with the drafter's own probabilities of its drafts
-    as that chance."""
-    ks = list(range(1, max_depth + 2))
-    slope = _ls_slope(ks, [verify_s(profile, k) for k in ks])    # seconds per verified token
-    return (draft_s(profile) + max(0.0, slope)) / round_s(profile, 0)
 
 
 def extend_acceptance(cond_acc: list[float], depth: int, window: int = EXTRAPOLATION_WINDOW,
@@ -593,7 +581,7 @@ def _cond_from_accept_lengths(taus: dict[int, float]) -> list[float]:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text (a server's /metrics) -> {'name{labels}': value}. Lives here, with its
-    reader, so serve.py imports it from the planner and not the other way round."""
+    reader, so serve/app.py imports it from the planner and not the other way round."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

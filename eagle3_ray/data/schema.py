@@ -32,7 +32,8 @@ Dataset-level facts (verifier, layer ids and their convention, dtype, hidden sto
 template hash, ...) sit in each file's key-value metadata under b"eagle3_ray" and in
 manifest.json, which also holds the extraction summary.
 
-    python -c "import eagle3_ray.schema as s; print(s.read_manifest('runs/demo/data')['summary'])"
+    python -c "from eagle3_ray.data import schema; \
+print(schema.read_manifest('runs/demo/data')['summary'])"
 """
 from __future__ import annotations
 

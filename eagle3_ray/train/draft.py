@@ -17,7 +17,7 @@ KV-cached speculative decoder reuse the same math with their own attention.
 from its safetensors shards) and returns the drafter plus a frozen `Teacher` (verifier norm +
 lm_head split into draft-vocab rows and the rest) that ttt.py uses for the target distribution.
 
-    python -m eagle3_ray.draft embedded:smollm2     # prints the drafter config and #params
+    python -m eagle3_ray.train.draft embedded:smollm2     # prints the drafter config and #params
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from eagle3_ray import verifier
+from eagle3_ray.engine import hf as verifier
 
 # The verifier tensors a drafter is built from (Llama-like names; DeepSeek/Kimi use the same).
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"

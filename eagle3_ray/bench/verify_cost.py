@@ -11,7 +11,7 @@ drift and other load on a shared machine hit both versions alike. Reported: medi
 and of thread CPU time (one torch thread: CPU time is what other processes on the same cores
 disturb least), and the median over rounds of each round's after/before ratio.
 
-    python -m eagle3_ray.verify_cost --before HEAD --rounds 4    # -> runs/bench/verify-cost.*
+    python -m eagle3_ray.bench.verify_cost --before HEAD --rounds 4    # -> runs/bench/verify-cost.*
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ TOKENS = (1, 2, 3, 4, 5, 8, 12, 17)
 EMULATED_AVX2 = {"EAGLE3_RAY_NATIVE_BF16": "0", "ATEN_CPU_CAPABILITY": "avx2",
                  "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 HOSTS = {"native": {}, "emulated-avx2": EMULATED_AVX2}
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # holds eagle3_ray/
 
 
 def measure(tokens=TOKENS, context: int = 256, reps: int = 5, draft_vocab: int = 8192,
@@ -36,7 +37,7 @@ def measure(tokens=TOKENS, context: int = 256, reps: int = 5, draft_vocab: int =
     cache, interleaved over `reps` rounds, and 4·reps drafter steps -> raw samples (ms)."""
     import torch
     from transformers import DynamicCache
-    from eagle3_ray import draft, speculate, verifier
+    draft, speculate, verifier = _code_modules()
     spec = spec or verifier.EMBEDDED_VERIFIER
     model = verifier.load_verifier(spec)
     drafter = draft.untrained_drafter(spec, draft_vocab)[0]
@@ -84,6 +85,18 @@ def measure(tokens=TOKENS, context: int = 256, reps: int = 5, draft_vocab: int =
             "draft_wall_ms": draft_wall, "draft_cpu_ms": draft_cpu}
 
 
+def _code_modules():
+    """(draft, speculate, verifier) of the source tree measured: its stage packages, or the flat
+    modules of a tree from before they existed (--before REF)."""
+    import importlib
+    import eagle3_ray
+    if os.path.isdir(os.path.join(eagle3_ray.__path__[0], "serve")):
+        names = ("train.draft", "serve.speculate", "engine.hf")
+    else:
+        names = ("draft", "speculate", "verifier")
+    return tuple(importlib.import_module(f"eagle3_ray.{n}") for n in names)
+
+
 def _worker(a) -> None:
     import torch
     torch.set_num_threads(a.threads)
@@ -96,11 +109,11 @@ def _worker(a) -> None:
 
 def _run(code: str | None, host: str, a) -> dict:
     env = {**os.environ, **HOSTS[host]}
-    cmd = [sys.executable, "-m", "eagle3_ray.verify_cost", "--worker", "--threads", str(a.threads),
-           "--context", str(a.context), "--reps", str(a.reps), "--draft-vocab",
-           str(a.draft_vocab), "--tokens", *map(str, a.tokens)] + (["--code", code] if code else [])
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "eagle3_ray.bench.verify_cost", "--worker",
+           "--threads", str(a.threads), "--context", str(a.context), "--reps", str(a.reps),
+           "--draft-vocab", str(a.draft_vocab), "--tokens", *map(str, a.tokens)] + (
+               ["--code", code] if code else [])
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
     if p.returncode or not line:
         raise RuntimeError(f"worker ({host}, {code or 'working tree'}) failed:\n{p.stderr[-3000:]}")
@@ -211,8 +224,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         before = None
         if a.before:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            archive = subprocess.run(["git", "-C", root, "archive", a.before, "eagle3_ray"],
+            archive = subprocess.run(["git", "-C", REPO, "archive", a.before, "eagle3_ray"],
                                      capture_output=True, check=True).stdout
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
             before = tmp

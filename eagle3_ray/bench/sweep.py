@@ -2,7 +2,7 @@
 
 Each arm is a fresh process with one torch thread that builds the drafter as `train` does
 (draft vocab, init), runs the same step (ttt.ttt_loss, AdamW, the lr and depth
-schedules of train.py) on the dataset's train split through ParquetShard, for `minutes` of
+schedules of trainer.py) on the dataset's train split through ParquetShard, for `minutes` of
 training, then evaluates teacher-forced on the held-out split (the verifier's argmax as the
 target, `eval_depth` positions). Arms run `parallel` at a time, one core each, so the arms of a
 group see the same host load and are compared as ratios; one process and one thread per arm
@@ -28,7 +28,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from eagle3_ray import draft, schema, train, ttt
+from eagle3_ray.data import schema
+from eagle3_ray.train import draft, trainer as train, ttt
 
 
 def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4,
@@ -59,7 +60,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     pending = sorted(m for m in snapshots if m < minutes) if drafter_dir else []
 
     def save(directory: str, **extra) -> str:
-        from eagle3_ray import checkpoint
+        from eagle3_ray.train import checkpoint
         state = {k: v.detach() for k, v in drafter.state_dict().items()}
         meta = {"ttt_steps": cfg.ttt_steps, "steps": step, "dataset": dataset,
                 "verifier": cfg.verifier, "train_config": asdict(cfg), "train_s": train_s,
@@ -98,7 +99,7 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
         out["drafter"] = save(drafter_dir, sweep_metrics=out,
                               final_metrics={"step": step, "train_s": train_s, **ev})
     if served_prompts:
-        from eagle3_ray import quality
+        from eagle3_ray.bench import quality
         out["served"] = quality.served_acceptance(drafter_dir, served_prompts, served_tokens)
     return out
 
@@ -106,8 +107,9 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
 def _spawn(dataset: str, name: str, overrides: dict, minutes: float, eval_depth: int,
            drafter_dir: str, served: tuple[int, int], snapshots: list[float]):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "eagle3_ray.sweep", "--worker", dataset, json.dumps(overrides),
-           str(minutes), str(eval_depth), drafter_dir, str(served[0]), str(served[1]),
+    cmd = [sys.executable, "-m", "eagle3_ray.bench.sweep", "--worker", dataset,
+           json.dumps(overrides), str(minutes), str(eval_depth), drafter_dir, str(served[0]),
+           str(served[1]),
            json.dumps(list(snapshots))]
     return name, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
@@ -124,7 +126,7 @@ def run(dataset: str, arms: dict[str, dict], minutes: float = 10.0, parallel: in
     (<out_dir>/<name>/<arm>/drafter-<M>min). An arm may set its own `dataset=DIR` (e.g. original
     against regenerated answers); its teacher-forced figures are then on that dataset's
     held-out split. Writes <out_dir>/<name>.json + .png."""
-    from eagle3_ray import bench
+    from eagle3_ray.bench import stages as bench
     data_of = {n: schema.absolute(o.get("dataset", dataset)) for n, o in arms.items()}
     items, runs = list(arms.items()), {}
     served = (served_prompts, served_tokens)

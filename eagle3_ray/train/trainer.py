@@ -39,7 +39,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagle3_ray import checkpoint, draft, schema, ttt, verifier, vocab
+from eagle3_ray.data import schema
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import checkpoint, draft, ttt, vocab
 
 # Dataset facts a drafter's verifier must share (a different max_length or regeneration is fine).
 VERIFIER_FIELDS = ("verifier_config_hash", "hidden_size", "vocab_size", "layer_id_convention",
@@ -786,7 +788,7 @@ def _report_online(setup: dict, wait: dict) -> None:
     run's StatsActor (the throughput balance, online.balance)."""
     if setup.get("stats_actor") and wait["samples"]:
         import ray
-        from eagle3_ray.extract import STATS_NAMESPACE
+        from eagle3_ray.extract.pipeline import STATS_NAMESPACE
         ray.get_actor(setup["stats_actor"], namespace=STATS_NAMESPACE).add.remote(
             "train", samples=wait["samples"], tokens=wait["tokens"], wait_s=wait["s"],
             seconds=time.monotonic() - wait["since"])
@@ -864,7 +866,7 @@ def evaluate_drafter(drafter_dir: str, dataset: str, depth: int, eval_fraction: 
 
 def worker_resources(cfg: TrainConfig) -> dict:
     """Ray resources of one training worker (ScalingConfig.resources_per_worker)."""
-    from eagle3_ray.extract import NODE_RESOURCE_SLIVER
+    from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER
     out = {"GPU": 1} if cfg.use_gpu else {"CPU": cfg.cpus_per_worker}
     if cfg.node_resource:
         out[cfg.node_resource] = NODE_RESOURCE_SLIVER

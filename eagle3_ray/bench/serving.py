@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from eagle3_ray import data, verifier
-from eagle3_ray.bench import save_result
+from eagle3_ray.data import conversations as data
+from eagle3_ray.engine import hf as verifier
+from eagle3_ray.bench.stages import save_result
 
 SERVE_DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -102,10 +103,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     measurement: this machine's verify/draft times are measured first (profile.
     measure_speculator), acceptance per position is counted over the runs. simulate: a node
     profile whose all-reduce time every verify also sleeps (a SIMULATION of that node's
-    interconnect). dynamic: also a run with per-request dynamic depth (planner.DynamicDepth)
-    and one with confidence-gated chains ("gated": depth up to the deepest fixed one, each
-    chain stopped where the drafter's own chain probability falls below planner.
-    chain_threshold of this machine's costs).
+    interconnect). dynamic: also a run with per-request dynamic depth (planner.DynamicDepth).
     branches: tree arms "tree{k}x{d}" for each k > 1 here and each depth d of SERVE_TREE_DEPTHS
     run: k chains of d drafts forked at the first, verified in one forward (Speculator
     branches); measured only, no planner prediction.
@@ -122,9 +120,10 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     num_gpus: the verifier's GPUs (0: CPU; the GPU check runs this on one GPU).
     Writes <out_dir>/serve.json + serve.png (serve-sim-<profile>.* when simulating)."""
     import functools
-    from eagle3_ray import planner, speculate
-    from eagle3_ray.profile import measure_speculator
-    from eagle3_ray.checkpoint import load_trained_drafter
+    from eagle3_ray.plan import planner
+    from eagle3_ray.serve import speculate
+    from eagle3_ray.serve.profile import measure_speculator
+    from eagle3_ray.train.checkpoint import load_trained_drafter
     if threads:
         torch.set_num_threads(threads)
     depths = tuple(sorted(set(depths)))
@@ -149,9 +148,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     prior = planner.acceptance_from(drafter_dir)[0]
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=verifier.eos_ids(model, tok))
     ps = data.heldout_prompts(tok, prompts)
-    gate = planner.chain_threshold(profile, max_depth)
-    plans, trees, lookups, refused = _serve_arms(dec, depths, dynamic, gate, branches,
-                                                 lookup_depths, lookup_branches)
+    plans, trees, lookups, refused = _serve_arms(dec, depths, dynamic, branches, lookup_depths,
+                                                 lookup_branches)
     runs, peer_runs, calib = _interleave(
         dec, hf, ps, sp, plans, peer_ks,
         functools.partial(planner.DynamicDepth, profile, prior, max_depth))
@@ -167,7 +165,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     result.update(_serve_summary(runs, depths, trees, lookups, len(ps), calib, simulate,
                                  _measured_profile(model, node, before, after),
                                  after[0][1] / before[0][1] - 1))
-    _compare_arms(result, trees, lookups, gate if dynamic else None, lookup_branches)
+    _compare_arms(result, trees, lookups, dynamic, lookup_branches)
     if peers:
         result["peers"] = _peer_rows(peer_runs, peer_ks, result["runs"][str(depths[0])],
                                      runs[depths[0]]["outputs"], len(ps))
@@ -180,7 +178,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
 def _measured_profile(model, node, *timings):
     """profile.measure_speculator's (verify ms by tokens, draft ms) timings, averaged -> this
     machine's profile (+ the simulated node's interconnect)."""
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     verify_ms = {k: sum(t[0][k] for t in timings) / len(timings) for k in timings[0][0]}
     p = planner.single_device_profile("this machine", verify_ms,
                                       sum(t[1] for t in timings) / len(timings),
@@ -188,12 +186,11 @@ def _measured_profile(model, node, *timings):
     return planner.with_interconnect(p, node) if node else p
 
 
-def _serve_arms(dec, depths, dynamic: bool, gate: float, branches, lookup_depths,
-                lookup_branches):
-    """Our arms -> ({name: (depth, min_chain_prob, branches, lookup) of Speculator.generate; depth
+def _serve_arms(dec, depths, dynamic: bool, branches, lookup_depths, lookup_branches):
+    """Our arms -> ({name: (depth, branches, lookup) of Speculator.generate; depth
     "dynamic": a planner.DynamicDepth}, the tree arms {name: (k, depth, lookup)}, the lookup
     arms {name: depth}, the tree arms left out as this host cannot run them exactly, and why)."""
-    from eagle3_ray import speculate
+    from eagle3_ray.serve import speculate
     branch = speculate.LookupParams(branch=True)
     trees = {f"tree{k}x{d}": (int(k), d, None) for k in branches if int(k) > 1
              for d in depths if d in SERVE_TREE_DEPTHS}           # name: (k, depth, lookup)
@@ -212,12 +209,12 @@ def _serve_arms(dec, depths, dynamic: bool, gate: float, branches, lookup_depths
     lookups = {f"lookup{d}": int(d) for d in lookup_depths if int(d) > 0}
     if lookups and dynamic:
         lookups["dynamic-lookup"] = "dynamic"
-    plans = {d: (d, 0.0, 1, None) for d in depths}
+    plans = {d: (d, 1, None) for d in depths}
     if dynamic:
-        plans.update(dynamic=("dynamic", 0.0, 1, None), gated=(max(depths), gate, 1, None))
-    plans.update({name: (d, 0.0, k, lookup) for name, (k, d, lookup) in trees.items()})
+        plans["dynamic"] = ("dynamic", 1, None)
+    plans.update({name: (d, k, lookup) for name, (k, d, lookup) in trees.items()})
     look = speculate.LookupParams()                       # serve's default fallback
-    plans.update({name: (d, 0.0, 1, look) for name, d in lookups.items()})
+    plans.update({name: (d, 1, look) for name, d in lookups.items()})
     return plans, trees, lookups, refused
 
 
@@ -244,10 +241,10 @@ def _interleave(dec, hf, ps: list[list[int]], sp, plans: dict, peer_ks: dict, dy
                     s["tokens"] += len(got["tokens"])
                     s["outputs"].append(got["tokens"])
                 continue
-            depth, gate, branches, lookup = plans[d]
+            depth, branches, lookup = plans[d]
             depth = dynamic_depth() if depth == "dynamic" else depth
             t0, out, rounds = time.perf_counter(), [], []
-            for r in dec.generate(prompt, sp, depth, gate, branches=branches, lookup=lookup):
+            for r in dec.generate(prompt, sp, depth, branches=branches, lookup=lookup):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
@@ -283,7 +280,7 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
                    simulate: str | None, profile, drift: float) -> dict:
     """serve.json from "runs" to "note": each arm's row, and the planner's prediction from the
     acceptance counted here and `profile` against the fixed depths' measurements."""
-    from eagle3_ray import planner
+    from eagle3_ray.plan import planner
     max_depth = max(depths)
     # acceptance per position over all fixed-depth runs (greedy: it does not depend on depth)
     fixed = [runs[d] for d in depths]
@@ -338,7 +335,7 @@ def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
             row.update(lookup_branch=True, lookup_rounds=s["lookup_rounds"])
     elif d in lookups:
         row.update(lookup_rounds=s["lookup_rounds"], lookup_depth=lookups[d])
-    elif d not in ("dynamic", "gated"):
+    elif d != "dynamic":
         p = pred["depths"][d]
         row.update(predicted_tokens_per_s=p["tokens_per_s"],
                    predicted_acceptance_length=p["accept_len"],
@@ -346,11 +343,11 @@ def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
     return row
 
 
-def _compare_arms(result: dict, trees: dict, lookups: dict, gate: float | None,
+def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool,
                   lookup_branches) -> None:
-    """The best tree and lookup arms and their notes; with the dynamic arms (gate: the gated
-    arm's threshold, None without them), each one's decode tokens/s over the best fixed depth's."""
-    from eagle3_ray import speculate
+    """The best tree and lookup arms and their notes; with the dynamic arms, each one's decode
+    tokens/s over the best fixed depth's."""
+    from eagle3_ray.serve import speculate
     look, rows = speculate.LookupParams(), result["runs"]  # serve's default fallback
     notes = {"tree": "tree{k}x{d}: k greedy chains of d drafts forked at the first draft (the "
                      "drafter's top-k first tokens), verified in one forward; tau = tokens per "
@@ -367,15 +364,14 @@ def _compare_arms(result: dict, trees: dict, lookups: dict, gate: float | None,
             top = max(arms, key=lambda d: rows[d]["decode_tokens_per_s"])
             result.update({f"best_{kind}": top, f"best_{kind}_speedup": rows[top]["speedup"],
                            f"{kind}_note": notes[kind]})
-    if gate is not None:
+    if dynamic:
         best = rows[str(result["best_depth"])]
-        for name in ("dynamic", "gated") + (("dynamic-lookup",) if lookups else ()) + (
+        for name in ("dynamic",) + (("dynamic-lookup",) if lookups else ()) + (
                 ("dynamic-branch-lookup",) if lookup_branches else ()):
             if name not in rows:                      # a tree arm this host refused
                 continue
             rows[name]["vs_best_fixed"] = (rows[name]["decode_tokens_per_s"]
                                            / best["decode_tokens_per_s"])
-        rows["gated"]["chain_threshold"] = gate
 
 
 def _peers_note(attention: str, simulate: str | None) -> str:
@@ -416,8 +412,8 @@ def _print_serve(result: dict) -> None:
 
 def calibration(pairs, edges=(0, .05, .1, .2, .3, .5, .7, .9, 1.0)) -> list[dict]:
     """(chain probability, all accepted) pairs of every drafted position -> per bin of the
-    drafter's chain probability: how often the chain through that draft was accepted. What
-    confidence-gated drafting relies on: a calibrated drafter has rate ~ mean_chain_prob."""
+    drafter's chain probability: how often the chain through that draft was accepted (a
+    calibrated drafter has rate ~ mean_chain_prob)."""
     rows = []
     for lo, hi in zip(edges, edges[1:]):
         got = [(c, hit) for c, hit in pairs if lo <= c < hi or (hi == edges[-1] and c == hi)]
@@ -480,7 +476,7 @@ def _plot_serve(result: dict, path: str) -> None:
                 "v-", color="#63a", label="with lookup fallback (measured)")
         a2.plot([r["lookup_depth"] for r in look], [r["acceptance_length"] for r in look],
                 "v-", color="#63a", label="with lookup fallback")
-    dyn, gated = result["runs"].get("dynamic"), result["runs"].get("gated")
+    dyn = result["runs"].get("dynamic")
     dyn_look = result["runs"].get("dynamic-lookup")
     if dyn_look:
         a1.axhline(dyn_look["decode_tokens_per_s"], color="#63a", ls=":",
@@ -488,9 +484,6 @@ def _plot_serve(result: dict, path: str) -> None:
     if dyn:
         a1.axhline(dyn["decode_tokens_per_s"], color="#3a5", ls=":",
                    label=f"dynamic depth (mean {dyn['mean_depth']:.1f})")
-    if gated:
-        a1.axhline(gated["decode_tokens_per_s"], color="#c80", ls=":",
-                   label=f"confidence-gated (mean depth {gated['mean_depth']:.1f})")
     peers = list(result.get("peers", {}).values())      # transformers' arms: horizontal lines
     styles = [("#777", "-."), ("#a3c", "--"), ("#c39", ":"), ("#5aa", "-.")]
     for j, r in enumerate(peers):
@@ -503,7 +496,7 @@ def _plot_serve(result: dict, path: str) -> None:
             a2.axhline(r["acceptance_length"], color=color, ls=ls, lw=1, label=label)
     if peers:                                              # room above the lines for the legend
         top = max([r["decode_tokens_per_s"]
-                   for r in peers + runs + trees + look + [x for x in (dyn, gated, dyn_look) if x]]
+                   for r in peers + runs + trees + look + [x for x in (dyn, dyn_look) if x]]
                   + [r["predicted_tokens_per_s"] for r in runs])
         a1.set_ylim(0, top * 1.7)
     sim = result.get("simulated_interconnect")

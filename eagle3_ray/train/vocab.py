@@ -21,7 +21,7 @@ Facts (checked upstream, no code taken):
 Counting streams the dataset's Parquet parts row group by row group and reads only the
 `input_ids` and `loss_mask` columns, never the hidden states.
 
-    python -m eagle3_ray.vocab runs/demo/data 32000     # prints the draft vocab's coverage
+    python -m eagle3_ray.train.vocab runs/demo/data 32000     # prints the draft vocab's coverage
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from eagle3_ray import schema
+from eagle3_ray.data import schema
 
 COLUMNS_COUNTED = ("input_ids", "target_ids")   # count_tokens reads one of these + loss_mask
 

@@ -11,7 +11,7 @@ PCIe node type carries, so the replica lands there and nowhere else. Ray Serve d
 autoscaling, `request_timeout_s` (-> 408), and cancelling the request when a client
 disconnects. Each replica decodes one round at a time on one worker thread; concurrent
 requests interleave round by round (no cross-request batching in the built-in engine —
-`engine="vllm"` serves a Kimi-sized verifier through ray.serve.llm, see serve_vllm.py).
+`engine="vllm"` serves a Kimi-sized verifier through ray.serve.llm, see vllm.py).
 
     eagle3-ray serve --drafter runs/demo/train/drafter --depth 4     # prints the URL
     serve run cluster/serve.yaml                                      # the same, from YAML
@@ -34,11 +34,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
 
-from eagle3_ray import checkpoint, data, planner, speculate, verifier as verifier_lib
+from eagle3_ray.data import conversations as data
+from eagle3_ray.engine import hf as verifier_lib
+from eagle3_ray.plan import planner
+from eagle3_ray.serve import speculate
+from eagle3_ray.train import checkpoint
 # Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
 # serve.parse_metrics stays for the demo and tests that read /metrics.
-from eagle3_ray.planner import parse_metrics  # noqa: F401
-from eagle3_ray.profile import measure_speculator
+from eagle3_ray.plan.planner import parse_metrics  # noqa: F401
+from eagle3_ray.serve.profile import measure_speculator
 
 log = logging.getLogger("ray.serve")
 
@@ -53,11 +57,6 @@ class ServeConfig:
     max_depth: int = 16                   # bound of the per-request `speculation_depth`
     dynamic_depth: bool = False           # requests without speculation_depth: each round's
                                           # depth from their acceptance so far (planner)
-    draft_gate: bool = False              # confidence-gated chains: each round's chain stops
-                                          # where the drafter's own chance that all its drafts
-                                          # are accepted no longer pays for one more draft
-                                          # (planner.chain_threshold); the depth is the cap,
-                                          # max_depth for requests with dynamic depth
     branches: int = 1                     # greedy requests draft this many chains forked at
                                           # the first draft, verified as one tree (SGLang's
                                           # speculative-eagle-topk); sampled ones one chain.
@@ -247,18 +246,18 @@ class Metrics:
 # --- the engine (no Ray, no HTTP) ------------------------------------------------------------
 
 def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
-    """The simulated interconnect (if asked) goes onto the Speculator; for dynamic depth or
-    the draft gate, the node profile they plan with and the drafter's trained acceptance as
-    the prior -> (profile, prior), or (None, None) when the depth is fixed."""
+    """The simulated interconnect (if asked) goes onto the Speculator; for dynamic depth, the
+    node profile it plans with and the drafter's trained acceptance as the prior ->
+    (profile, prior), or (None, None) when the depth is fixed."""
     node = planner.load_profile(cfg.simulate_interconnect) if cfg.simulate_interconnect else None
     if node:
         spec.simulated_comm = functools.partial(planner.comm_s, node)
         log.warning(f"SIMULATION: every verify sleeps the all-reduce time of {node.name} "
                     f"({planner.comm_s(node, 1) * 1e3:.2f} ms for one token)")
-    if not (cfg.dynamic_depth or cfg.draft_gate):
+    if not cfg.dynamic_depth:
         return None, None
     if not spec.drafter:
-        raise ValueError("dynamic_depth and draft_gate need a drafter (--drafter)")
+        raise ValueError("dynamic_depth needs a drafter (--drafter)")
     if cfg.profile:
         profile = planner.load_profile(cfg.profile)
     else:   # measured here, on this replica's verifier and drafter
@@ -298,7 +297,7 @@ class Engine:
         model = verifier_lib.load_verifier(cfg.verifier, num_gpus=int(cfg.gpus_per_replica))
         drafter = None
         if cfg.drafter:
-            from eagle3_ray.checkpoint import load_trained_drafter
+            from eagle3_ray.train.checkpoint import load_trained_drafter
             drafter = load_trained_drafter(cfg.drafter, cfg.verifier)[0]
         self.spec = speculate.Speculator(model, drafter)
         if self.spec.few_row_kernels:
@@ -321,8 +320,6 @@ class Engine:
         self.max_model_len = cfg.max_model_len or getattr(vcfg, "max_position_embeddings", 2048)
         self.eos_ids = verifier_lib.eos_ids(model, self.tok)
         self.depth_profile, self.prior = depth_planning(cfg, self.spec)
-        self.gate = (planner.chain_threshold(self.depth_profile, cfg.max_depth)
-                     if cfg.draft_gate else 0.0)   # Speculator.generate's min_chain_prob
         if self.ttt_steps and cfg.depth > self.ttt_steps:
             log.warning(f"default depth {cfg.depth} > the drafter's trained ttt_steps "
                         f"{self.ttt_steps}: positions past it are extrapolation")
@@ -387,8 +384,7 @@ class Engine:
                                 f"tokens; the prompt has {n_prompt} and max_tokens is "
                                 f"{max_tokens}", "max_tokens", code="context_length_exceeded")
         if req.speculation_depth is None and self.cfg.dynamic_depth:
-            depth = (self.cfg.max_depth if self.cfg.draft_gate else   # the gate picks the depth
-                     planner.DynamicDepth(self.depth_profile, self.prior, self.cfg.max_depth))
+            depth = planner.DynamicDepth(self.depth_profile, self.prior, self.cfg.max_depth)
         else:
             depth = self.cfg.depth if req.speculation_depth is None else req.speculation_depth
             if not 0 <= depth <= self.cfg.max_depth or (depth and not self.spec.drafter):
@@ -409,26 +405,22 @@ class Engine:
         return None
 
 
-def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | None,
-          gated: bool = False) -> dict:
+def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | None) -> dict:
     """OpenAI usage + this request's speculation stats (rounds after the prefill). `depth`: an
-    int, or a dynamic-depth policy (reported as "dynamic", with the mean depth per round);
-    gated: chains were confidence-gated (`depth` their cap; the mean depth is reported)."""
+    int, or a dynamic-depth policy (reported as "dynamic", with the mean depth per round)."""
     out = sum(len(r.tokens) for r in rounds)
     verify = rounds[1:]
     drafted = sum(r.drafted for r in verify)
     accepted = sum(r.accepted for r in verify)
-    deepest = max([r.drafted for r in verify], default=0) if callable(depth) or gated else depth
+    deepest = max([r.drafted for r in verify], default=0) if callable(depth) else depth
     spec = {"depth": "dynamic" if callable(depth) else depth, "rounds": len(verify),
             "drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_length": (accepted + len(verify)) / max(1, len(verify)),
             "lookup_rounds": sum(r.lookup for r in verify),
             "accepted_per_position": [sum(r.accepted > k for r in verify)
                                       for k in range(deepest)]}
-    if callable(depth) or gated:
+    if callable(depth):
         spec["mean_depth"] = drafted / max(1, len(verify))
-    if gated:
-        spec["gated"] = True
     if warning:
         spec["warning"] = warning
     return {"prompt_tokens": n_prompt, "completion_tokens": out,
@@ -446,8 +438,7 @@ class _Job:
         self.rid, self.t0, self.warning, self.include_usage = rid, t0, warning, include_usage
         branches = server.engine.branches if sp.temperature == 0 else 1       # trees: greedy
         lookup = server.engine.lookup_greedy if sp.temperature == 0 else server.engine.lookup
-        self.gen = server.engine.spec.generate(prompt, sp, depth, server.engine.gate, branches,
-                                               lookup)
+        self.gen = server.engine.spec.generate(prompt, sp, depth, branches, lookup)
         self.text = speculate.TextStream(server.engine.tok, stop)
         self.rounds: list[speculate.Round] = []
         self.closed = False
@@ -473,8 +464,7 @@ class _Job:
                 return "".join(out), reason
 
     def usage(self) -> dict:
-        return usage(len(self.prompt), self.rounds, self.depth, self.warning,
-                     bool(self.server.engine.gate))
+        return usage(len(self.prompt), self.rounds, self.depth, self.warning)
 
     def close(self, status: str) -> None:
         if self.closed:
@@ -626,7 +616,7 @@ def build_app(cfg: ServeConfig):
     """The Serve application for `cfg` (checks the drafter against the verifier first)."""
     cfg = fit_cpus(cfg)
     if cfg.engine == "vllm":
-        from eagle3_ray.serve_vllm import build_vllm_app
+        from eagle3_ray.serve.vllm import build_vllm_app
         return build_vllm_app(cfg)
     if cfg.engine != "builtin":
         raise ValueError(f"engine must be builtin or vllm, got {cfg.engine!r}")
@@ -648,7 +638,7 @@ def fit_cpus(cfg: ServeConfig) -> ServeConfig:
 def deployment_options(cfg: ServeConfig) -> dict:
     """The Serve deployment options: replica resources (pinned to `node_resource`), limits,
     scaling."""
-    from eagle3_ray.extract import NODE_RESOURCE_SLIVER
+    from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER
     actor = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica}
     if cfg.node_resource:
         actor["resources"] = {cfg.node_resource: NODE_RESOURCE_SLIVER}
@@ -660,13 +650,13 @@ def deployment_options(cfg: ServeConfig) -> dict:
 
 def resolve_paths(cfg: ServeConfig) -> ServeConfig:
     """Local paths made absolute: replicas run in another working directory."""
-    from eagle3_ray import schema
+    from eagle3_ray.data import schema
     return replace(cfg, verifier=verifier_lib.absolute_spec(cfg.verifier),
                    drafter=schema.absolute(cfg.drafter) if cfg.drafter else None)
 
 
 def app_builder(args: dict):
-    """`serve run eagle3_ray.serve:app_builder depth=4 ...` and the import_path of
+    """`serve run eagle3_ray.serve.app:app_builder depth=4 ...` and the import_path of
     cluster/serve.yaml: Serve passes the YAML `args` here."""
     return build_app(ServeConfig.from_dict(dict(args)))
 

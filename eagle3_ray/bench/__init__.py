@@ -1,0 +1,9 @@
+"""Benchmarks over the stages; each writes JSON and a plot under runs/bench (eagle3-ray bench).
+
+stages       extract, train step, regen, fp8 storage
+serving      bench serve: the decoder at each depth beside transformers' own
+quality      drafters compared by served acceptance (bench quality / recipe)
+online       online against offline training
+sweep        recipe arms at equal minutes
+verify_cost  one round's verify and draft cost, two code versions side by side
+"""
