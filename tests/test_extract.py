@@ -140,12 +140,14 @@ def test_killed_run_resumes_without_loss_or_duplicates(ray_cluster, tiny_verifie
            "--inputs", conv_file, "--output", str(out), "--max-length", "128",
            "--batch-rows", "2", "--token-budget", "300"]
     env = {**os.environ, "EAGLE3_RAY_FAULT": "sleep:0.4"}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    log = tmp_path / "extract.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=f, stderr=f)
     fs, root = schema.resolve_fs(str(out))
     deadline = time.time() + 180
     while len(schema.list_parts(fs, root)) < 3 and time.time() < deadline:
-        assert proc.poll() is None, "extract exited before it could be killed"
+        assert proc.poll() is None, f"extract exited before it could be killed:\n" \
+            f"{log.read_text()[-3000:]}"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
