@@ -30,7 +30,7 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
     differed from 9 decode steps in layer 1) each token attends on its own to exactly the keys
     it sees: the shapes, and so the kernels, of a one-token forward. A fused kernel (SDPA)
     blocks its softmax over the keys differently per query length and does neither. A prefill
-    (no cache) is shared by every path and stays fused. tests/test_speculate.py and
+    (no cache) is shared by every path and stays fused. tests/serve/test_speculate.py and
     tests/test_embedded.py.
     tree (a speculative tree verify: tree_layout): the q new tokens form a tree whose every
     root-to-leaf path attends as a chain of its own (_tree_attention).

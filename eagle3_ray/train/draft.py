@@ -454,7 +454,7 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
                     after 200 steps, against 0.321 with a copy of the hidden half there
                     and 0.317 from random init)
     So at step 0 the drafter is one more verifier layer on the verifier's own state: exactly
-    the verifier's output of that layer (tests/test_draft.py), a prediction one token early.
+    the verifier's output of that layer (tests/train/test_draft.py), a prediction one token early.
     Tensors the verifier lacks or shapes that differ (an MoE MLP, MLA attention) keep their
     random init. Returns {"layer": j, "copied": [...], "kept_random": [...]}."""
     c, m = drafter.config, drafter.midlayer

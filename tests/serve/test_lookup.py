@@ -1,12 +1,12 @@
 """The lookup fallback of the speculative decoder (speculate.NgramLookup, LookupParams): what it
 proposes, that greedy output stays the verifier's, and that it takes over the rounds the drafter
 doubts where the request repeats itself. Tiny random Llamas, no Ray (sampling exactness with
-the fallback: tests/test_speculate.py)."""
+the fallback: tests/serve/test_speculate.py)."""
 import pytest
 import torch
 
 from eagle3_ray.serve.speculate import LookupParams, NgramLookup, SamplingParams, Speculator
-from tests.test_speculate import run, tiny_pair
+from tests.serve.test_speculate import run, tiny_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ def test_served_acceptance_accounts_for_every_round(tiny_verifier, tmp_path):
     drafts 4 positions, acceptance is a chain (never more at k+1 than at k), and the tau that
     the per-position counts imply at the served depth equals the tokens per verify round that
     were measured."""
-    from tests.test_serve import save_untrained
+    from tests.serve.test_serve import save_untrained
     drafter = save_untrained(tiny_verifier, str(tmp_path / "drafter"))
     s = quality.served_acceptance(drafter, prompts=2, max_tokens=12, depth=4)
     assert s["rounds"] > 0 and s["tokens"] >= s["rounds"]
@@ -64,7 +64,7 @@ def test_check_unseen_refuses_training_data_that_holds_the_heldout_prompts(tmp_p
 
 def test_served_acceptance_refuses_a_drafter_trained_on_the_heldout_prompts(tiny_verifier,
                                                                             tmp_path):
-    from tests.test_serve import save_untrained
+    from tests.serve.test_serve import save_untrained
     drafter = save_untrained(tiny_verifier, str(tmp_path / "drafter"))
     meta_path = os.path.join(drafter, "meta.json")
     with open(meta_path) as f:

@@ -273,7 +273,7 @@ def test_mismatched_drafter_is_refused(tiny_verifier, tmp_path):
 
 
 def test_serve_yaml_builds_the_app(tiny_verifier, tmp_path):
-    path = os.path.join(os.path.dirname(__file__), "..", "cluster", "serve.yaml")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "cluster", "serve.yaml")
     conf = yaml.safe_load(open(path))
     app = conf["applications"][0]
     assert app["import_path"] == "eagle3_ray.serve.app:app_builder"
