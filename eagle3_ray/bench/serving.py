@@ -165,7 +165,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     result.update(_serve_summary(runs, depths, trees, lookups, len(ps), calib, simulate,
                                  _measured_profile(model, node, before, after),
                                  after[0][1] / before[0][1] - 1))
-    _compare_arms(result, trees, lookups, dynamic, lookup_branches)
+    _compare_arms(result, trees, lookups, dynamic)
     if peers:
         result["peers"] = _peer_rows(peer_runs, peer_ks, result["runs"][str(depths[0])],
                                      runs[depths[0]]["outputs"], len(ps))
@@ -343,10 +343,9 @@ def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
     return row
 
 
-def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool,
-                  lookup_branches) -> None:
+def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool) -> None:
     """The best tree and lookup arms and their notes; with the dynamic arms, each one's decode
-    tokens/s over the best fixed depth's."""
+    tokens/s over the best fixed depth's (trees, lookups: the arms that ran)."""
     from eagle3_ray.serve import speculate
     look, rows = speculate.LookupParams(), result["runs"]  # serve's default fallback
     notes = {"tree": "tree{k}x{d}: k greedy chains of d drafts forked at the first draft (the "
@@ -366,10 +365,7 @@ def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool,
                            f"{kind}_note": notes[kind]})
     if dynamic:
         best = rows[str(result["best_depth"])]
-        for name in ("dynamic",) + (("dynamic-lookup",) if lookups else ()) + (
-                ("dynamic-branch-lookup",) if lookup_branches else ()):
-            if name not in rows:                      # a tree arm this host refused
-                continue
+        for name in ["dynamic"] + [n for n in (*lookups, *trees) if n.startswith("dynamic")]:
             rows[name]["vs_best_fixed"] = (rows[name]["decode_tokens_per_s"]
                                            / best["decode_tokens_per_s"])
 

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 from eagle3_ray import __version__
 from eagle3_ray.data import conversations as data, schema
 from eagle3_ray.engine import hf as verifier
+from eagle3_ray.extract import regen
 
 SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("tokens", pa.int64()),
                             ("loss_tokens", pa.int64()), ("skipped", pa.string()),
@@ -182,20 +183,6 @@ class Tokenize:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         return tokenize_batch(self.tok, batch, self.max_length)
-
-
-def pack_by_token_budget(lengths: list[int], budget: int, max_padding: float = 0.1) -> list[list[int]]:
-    """Indices grouped, longest first, so that len(group) * longest <= budget and every member
-    is at least (1 - max_padding) * longest: padding never wastes more than max_padding."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups, cur = [], []
-    for i in order:
-        if cur and ((len(cur) + 1) * lengths[cur[0]] > budget
-                    or lengths[i] < (1 - max_padding) * lengths[cur[0]]):
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    return groups + ([cur] if cur else [])
 
 
 def regen_start(messages: list[dict]) -> list[dict]:
@@ -379,7 +366,7 @@ class VerifierExtractor:
         """Tokenized rows -> part tables of their hidden states, forwarded in micro-batches
         packed to the token budget; a table closes once it holds part_bytes of hidden states."""
         out, tables, nbytes, storage = self._empty_part(), [], 0, self.cfg.hidden_storage
-        for group in pack_by_token_budget([len(r["input_ids"]) for r in rows],
+        for group in regen.pack_by_token_budget([len(r["input_ids"]) for r in rows],
                                           micro_batch_tokens(self.cfg)):
             aux, last, greedy = self._forward([rows[i]["input_ids"] for i in group])
             for j, i in enumerate(group):  # aux [B, S, 3, H], last [B, S, H], greedy [B, S]
@@ -457,7 +444,6 @@ class VerifierExtractor:
         """New token ids per prompt, batched; if a batch fails, each prompt is retried alone
         and the ones that still fail come back as None (their records are skipped)."""
         if self.generator is None:
-            from eagle3_ray.extract import regen
             self.generator = regen.BatchGenerator(
                 self.model, self.pad_id, verifier.eos_ids(self.model, self.tok),
                 regen.GenerateConfig(temperature=self.cfg.regen_temperature,

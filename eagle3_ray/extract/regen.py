@@ -233,28 +233,28 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def prefill_runs(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
-    """Lengths, longest first -> runs [r0, r1) prefilled together: padding <= 10% of the run's
-    longest, (r1 - r0) x longest <= max_tokens (a lone row may exceed it)."""
-    runs, r0 = [], 0
-    while r0 < len(lengths):
-        r1 = r0 + 1
-        while (r1 < len(lengths) and lengths[r1] >= 0.9 * lengths[r0]
-               and (r1 + 1 - r0) * lengths[r0] <= max_tokens):
-            r1 += 1
-        runs.append((r0, r1))
-        r0 = r1
-    return runs
+def pack_by_token_budget(lengths: list[int], budget: int,
+                         max_padding: float = 0.1) -> list[list[int]]:
+    """Indices grouped, longest first, so that len(group) * longest <= budget and every member
+    is at least (1 - max_padding) * longest: padding never wastes more than max_padding."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and ((len(cur) + 1) * lengths[cur[0]] > budget
+                    or lengths[i] < (1 - max_padding) * lengths[cur[0]]):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    return groups + ([cur] if cur else [])
 
 
 def prefill_inputs(prompts: list[list[int]], pad_id: int, dev):
     """One prefill run's prompts -> ids [b, ss] (left-padded), position ids [b, ss] (0 at each
     row's first real token) and the additive fp32 attention mask [b, 1, ss, ss]."""
-    ids = left_pad(prompts, pad_id)[0].to(dev)                           # [b, ss]
+    ids, real = (t.to(dev) for t in left_pad(prompts, pad_id))           # [b, ss] each
     ss = ids.shape[1]                                                    # the run's longest
-    lens = torch.tensor([len(p) for p in prompts], device=dev)           # [b]
-    pos = (torch.arange(ss, device=dev)[None] - (ss - lens)[:, None]).clamp(min=0)
-    real = torch.arange(ss, device=dev)[None] >= (ss - lens)[:, None]    # [b, ss]
+    pos = (real.cumsum(-1) - 1).clamp(min=0)                             # [b, ss]
+    real = real.bool()                                                   # [b, ss]
     # causal, real keys only; a pad query sees itself (never an empty row)
     causal = torch.ones((ss, ss), dtype=torch.bool, device=dev).tril()   # [ss, ss]
     allowed = causal[None] & real[:, None]                               # [b, ss, ss]
@@ -372,7 +372,9 @@ class BatchGenerator:
         batch buffers, right-aligned at column s. Forwards over runs of similar lengths (padding
         <= 10%, <= cfg.prefill_tokens each), so left padding costs little compute."""
         logits = []
-        for r0, r1 in prefill_runs([len(p) for p in prompts], self.cfg.prefill_tokens):
+        # prompts come longest first, so each group is a contiguous run [r0, r1)
+        for run in pack_by_token_budget([len(p) for p in prompts], self.cfg.prefill_tokens):
+            r0, r1 = run[0], run[-1] + 1
             ids, pos, mask = prefill_inputs(prompts[r0:r1], self.pad_id, self.device)
             logits.append(self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                                      cache=bufs.cache(r0, r1, s - ids.shape[1]), use_cache=True,

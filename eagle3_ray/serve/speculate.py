@@ -338,7 +338,7 @@ class Speculator:
         """The drafter moves to the verifier's device and dtype. batch_invariant (default: when
         the verifier runs in bf16/fp16) makes the verifier's outputs independent of the number
         of tokens per forward, for exact greedy equality (kernels.make_batch_invariant). Both
-        models' linear layers then run on CPU kernels suited to few rows (verifier.
+        models' linear layers then run on CPU kernels suited to few rows (kernels.
         use_few_row_kernels; they keep a packed copy of the weights).
         simulated_comm: a SIMULATION of a multi-GPU node's interconnect, (tokens in a verifier
         forward) -> seconds slept after each forward (planner.comm_s of a node profile)."""

@@ -158,23 +158,23 @@ class DiagonalAttention:
 
 
 def _cross_entropy(drafter, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor):
-    """hidden [n, H], targets[rows] -> (Σ_rows cross-entropy, the same detached, drafter
-    argmax [n]). targets: [M, Vd] probabilities (soft: -Σ_v p log q) or [M] draft ids (hard:
-    -log q[id]). They are gathered inside, so a checkpoint saves only the row indices."""
+    """hidden [n, H], targets[rows] -> (Σ_rows cross-entropy, drafter argmax [n]). targets:
+    [M, Vd] probabilities (soft: -Σ_v p log q) or [M] draft ids (hard: -log q[id]). They are
+    gathered inside, so a checkpoint saves only the row indices."""
     logits = drafter.logits(hidden)                                        # [n, Vd]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # fp32 (fp64 stays)
     if targets.dtype == torch.long:
         ce = torch.nn.functional.cross_entropy(logits, targets[rows], reduction="none")  # [n]
     else:
         ce = -(targets[rows] * logits.log_softmax(-1)).sum(-1)            # [n]
-    return ce.sum(), ce.detach().sum(), logits.argmax(-1)
+    return ce.sum(), logits.argmax(-1)
 
 
 def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
                chunk_size: int, recompute: bool = True):
-    """Over the valid positions (rows >= 0) of one step: (loss sum, the same detached (for the
-    metrics), drafter argmax). hidden [B, S, H], rows [B, S] (teacher row per position,
-    -1 = invalid), targets [M, Vd] or [M] (_cross_entropy).
+    """Over the valid positions (rows >= 0) of one step: (loss sum, drafter argmax).
+    hidden [B, S, H], rows [B, S] (teacher row per position, -1 = invalid), targets [M, Vd] or
+    [M] (_cross_entropy).
     recompute: the chunks' logits are recomputed in backward (activation checkpointing: memory
     of one chunk) instead of kept (no second lm_head)."""
     valid = rows >= 0
@@ -182,18 +182,17 @@ def _step_loss(drafter, hidden: torch.Tensor, rows: torch.Tensor, targets: torch
     if len(r) == 0:  # keep lm_head/norm in the graph (DDP expects a grad for every parameter)
         h = hidden.reshape(-1, hidden.shape[-1])[:1]                       # [1, H]
         t = targets.new_zeros((1,) + targets.shape[1:])                    # [1, Vd] or [1]
-        loss, _, _ = _cross_entropy(drafter, h, t,
-                                    torch.zeros(1, dtype=torch.long, device=h.device))
-        return loss * 0, loss.detach() * 0, r
-    total, seen, preds = 0.0, 0.0, []
+        loss, _ = _cross_entropy(drafter, h, t, torch.zeros(1, dtype=torch.long, device=h.device))
+        return loss * 0, r
+    total, preds = 0.0, []
     for c in range(0, len(r), chunk_size):
         args = (drafter, h[c:c + chunk_size], targets, r[c:c + chunk_size])  # [n, H], [n]
         if torch.is_grad_enabled() and recompute:
-            loss, ce, pred = checkpoint(_cross_entropy, *args, use_reentrant=False)
+            loss, pred = checkpoint(_cross_entropy, *args, use_reentrant=False)
         else:
-            loss, ce, pred = _cross_entropy(*args)
-        total, seen, preds = total + loss, seen + ce, preds + [pred]
-    return total, seen, torch.cat(preds)
+            loss, pred = _cross_entropy(*args)
+        total, preds = total + loss, preds + [pred]
+    return total, torch.cat(preds)
 
 
 def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
@@ -299,8 +298,8 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             learn = learn.gather(1, sel).masked_fill(~keep, -1)
             agree_k = agree_k.gather(1, sel)
         hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
-        loss_sum, seen_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
-                                              checkpoint_logits)
+        loss_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
+                                    checkpoint_logits)
         valid, learnable = rows >= 0, learn >= 0
         losses.append(loss_sum / learnable.sum().clamp(min=1))
         with torch.no_grad():  # counts stay tensors: one device sync at the end
@@ -313,7 +312,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             sums["all_correct"].append(chain.sum())
             chain = chain & agree_k        # step k+1 is conditioned on a served-like chain only
             sums["loss_count"].append(learnable.sum())
-            sums["loss_sum"].append(seen_sum.double())
+            sums["loss_sum"].append(loss_sum.detach().double())
         if k == 0 and ttt_steps > 1 and deep_fraction < 1:
             useful = torch.zeros_like(valid)
             for j in range(1, ttt_steps):         # some deep step has a loss there

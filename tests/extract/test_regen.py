@@ -87,9 +87,11 @@ def test_length_batches_respect_budget():
 
 
 def test_fast_path_steps():
-    """The fast path's pure steps: prefill runs, left padding, the decode bias, un-sorting."""
-    assert regen.prefill_runs([100, 95, 91, 89, 50, 50], 400) == [(0, 3), (3, 4), (4, 6)]
-    assert regen.prefill_runs([100] * 5, 250) == [(0, 2), (2, 4), (4, 5)]   # token cap
+    """The fast path's pure steps: prefill runs (runs of prompts sorted longest first, as
+    extraction packs its forwards), left padding, the decode bias, un-sorting."""
+    runs = regen.pack_by_token_budget
+    assert runs([100, 95, 91, 89, 50, 50], 400) == [[0, 1, 2], [3], [4, 5]]   # padding <= 10%
+    assert runs([100] * 5, 250) == [[0, 1], [2, 3], [4]]                     # token cap
     ids, mask = regen.left_pad([[1, 2], [3]], pad_id=9)
     assert ids.tolist() == [[1, 2], [9, 3]] and mask.tolist() == [[1, 1], [0, 1]]
     neg = torch.finfo(torch.float32).min                # prompts end at column 2, 2 new columns
