@@ -4,7 +4,7 @@ One package per stage, in the order the data flows; a module imports only from i
 and the ones above it in this list (tests/test_imports.py):
 
     data/     conversations in; the hidden-state dataset contract             no Ray
-    engine/   who holds the verifier (hf: transformers)                        no Ray
+    engine/   who holds the verifier (hf: transformers; vllm: its own env)     no Ray
     extract/  1. conversations -> hidden-state Parquet                        Ray Data
     train/    2. hidden states -> drafter (draft, ttt, vocab, checkpoint: no Ray)  Ray Train
     plan/     4. acceptance + node profile -> depth (serving uses its cost model)  no Ray

@@ -6,6 +6,7 @@
     eagle3-ray export --drafter /tmp/tr/drafter --format vllm --output /tmp/tr/vllm
     eagle3-ray serve --drafter /tmp/tr/drafter --depth 4   # OpenAI API on Ray Serve, prints URL
     eagle3-ray bench extract --samples 32             # pipeline vs plain forward loop, JSON+PNG
+    eagle3-ray bench extract --engines --samples 32   # the same pipeline on vLLM vs transformers
     eagle3-ray bench regen --samples 32 --max-new-tokens 128   # batched generation vs HF loops
     eagle3-ray bench storage --samples 48 --steps 10  # bf16 vs fp8 hidden states: bytes, accuracy
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml  # measure this machine -> node profile
@@ -46,6 +47,9 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="first N usable conversations")
     p.add_argument("--skip", type=int, default=0,
                    help="start after the first N usable conversations (with --limit: a slice)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="who holds the verifier: hf (transformers) or vllm (its own environment, "
+                        "scripts/setup_vllm.sh; tensor-parallel over --gpus-per-replica)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=int, default=0)
     p.add_argument("--cpus-per-replica", type=float,
@@ -76,7 +80,7 @@ def extract_config(a: argparse.Namespace):
     online = getattr(a, "online", False)
     return ExtractConfig(
         inputs=a.inputs, output="" if online else a.output,
-        verifier=a.verifier, layer_ids=a.layer_ids,
+        verifier=a.verifier, engine=a.engine, layer_ids=a.layer_ids,
         max_length=a.max_length, sample_limit=a.limit, sample_offset=a.skip,
         replicas=a.replicas,
         gpus_per_replica=a.gpus_per_replica, max_gpu_memory=a.max_gpu_memory,
@@ -192,6 +196,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("EAGLE3_RAY_API_KEY"),
                    help="require 'Authorization: Bearer <key>' (default $EAGLE3_RAY_API_KEY)")
     p.add_argument("--max-model-len", type=int)
+    p.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), help="engine vllm: the "
+                   "verifier's dtype (default: bf16 on GPUs and CPUs with native bf16, else fp32)")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, help="engine vllm: no "
+                   "torch.compile / CUDA graphs (default: eager on CPU hosts with < 8 cores)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
@@ -211,7 +219,7 @@ def serve_config(a: argparse.Namespace):
         autoscaling=json.loads(a.autoscaling) if a.autoscaling else None,
         max_ongoing_requests=a.max_ongoing_requests, max_queued_requests=a.max_queued_requests,
         request_timeout_s=a.request_timeout_s, api_key=a.api_key, max_model_len=a.max_model_len,
-        host=a.host, port=a.port)
+        dtype=a.dtype, eager=a.eager, host=a.host, port=a.port)
 
 
 def cmd_serve(a):
@@ -258,21 +266,25 @@ def cmd_demo(a):
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of `eagle3-ray bench` (shared with jobs/bench.py)."""
     p.add_argument("what", choices=["extract", "train", "quality", "recipe", "sweep", "serve",
-                                    "regen", "storage", "online"])
+                                    "regen", "storage", "online", "engines"])
     p.add_argument("--samples", type=int,
                    help="conversations (extract: 128, quality/recipe: 1200, storage: 600) / "
-                        "prompts (serve: 8)")
+                        "prompts (serve: 8, engines: 12)")
     p.add_argument("--regen-samples", type=int,
                    help="quality/recipe: conversations of the regenerated dataset (default "
                         "--samples; regeneration costs ~30x a plain extraction on CPU)")
-    p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best)")
-    p.add_argument("--max-tokens", type=int, default=64, help="serve: tokens per prompt")
+    p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best); engines: "
+                   "the drafter (required)")
+    p.add_argument("--max-tokens", type=int, default=64, help="serve, engines: tokens per prompt")
     p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
                    "profile's all-reduce time in every verify (a SIMULATED interconnect)")
     p.add_argument("--no-dynamic", action="store_true", help="serve: skip the dynamic-depth run")
     p.add_argument("--gpus", type=int, default=0, help="serve: GPUs for the verifier (0: CPU)")
     p.add_argument("--depths", type=int, nargs="+", help="serve: fixed depths to run, 0 "
-                   "included (default: 0 1 2 3 4 6 8 12 16)")
+                   "included (default: 0 1 2 3 4 6 8 12 16); engines: depths besides 0 "
+                   "(default: 3 8)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="engines, extract --engines: "
+                   "both engines' dtype (default: bf16 where the CPU has native bf16, else fp32)")
     p.add_argument("--no-peers", action="store_true", help="serve: skip the transformers arms "
                    "(plain generate, prompt lookup)")
     p.add_argument("--branches", type=int, nargs="*", default=[], metavar="K",
@@ -322,6 +334,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32, help="regen: rows per batched forward")
     p.add_argument("--name", default="regen", help="regen: output name (<out>/<name>.json)")
     p.add_argument("--threads", type=int, default=0, help="regen: torch threads (0: default)")
+    p.add_argument("--engines", action="store_true", help="extract: the pipeline with the "
+                   "verifier in vLLM against transformers, tokens/s side by side")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="runs/bench")
@@ -342,6 +356,14 @@ def cmd_bench(a):
                     lookup_depths=tuple(a.lookup_depths),
                     lookup_branches=tuple(a.lookup_branches),
                     **({"depths": tuple(a.depths)} if a.depths else {}))
+        return
+    if a.what == "engines":  # builtin decoder in-process, vLLM in Ray actors (its own env)
+        from eagle3_ray.bench.engines import bench_engines
+        if not a.drafter:
+            raise SystemExit("bench engines needs --drafter DIR")
+        bench_engines(a.drafter, prompts=a.samples or 12, max_tokens=a.max_tokens,
+                      out_dir=a.out, dtype=a.dtype, address=a.address,
+                      **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray
         from eagle3_ray.bench import sweep
@@ -366,6 +388,9 @@ def cmd_bench(a):
         bench_online(samples=a.samples or 160, max_length=a.max_length, steps=a.steps,
                      out_dir=a.out, served_prompts=a.served_prompts,
                      served_tokens=a.served_tokens)
+    elif a.what == "extract" and a.engines:
+        bench.bench_extract_engines(samples=a.samples or 128, max_length=a.max_length,
+                                    out_dir=a.out, repeats=a.repeats, dtype=a.dtype)
     elif a.what == "extract":
         bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
                             repeats=a.repeats)

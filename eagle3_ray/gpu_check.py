@@ -15,6 +15,9 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
   4. profile      verify/draft times of this machine; with n > 1 the NCCL all-reduce curve
   5. quality      (--quality-minutes M) 3,000 conversations extracted, the default ttt-8 recipe
                   trained for M minutes, served on 20 held-out prompts: served acceptance
+  6. vLLM         where scripts/setup_vllm.sh built the engine environment (.venv-vllm; the
+                  CUDA build where nvidia-smi works): step 1 again with `--engine vllm`
+                  (extract_vllm: tokens/s beside step 1's)
 Without CUDA it says so, runs the same four steps at tiny sizes on the CPU (2 gloo workers,
 depths 0-2) plus the all-reduce curve with gloo between 2 processes (the code path of the NCCL
 one), and exits 0 when they pass (1 when a step fails). Writes --out (runs/gpu_check.json):
@@ -96,7 +99,21 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
                                      "--parallel", "fsdp"], "extract"),
              ("bench_serve", bench, "train_ddp"),
              ("profile", profile, "train_ddp")]
+    if vllm_available():
+        steps.append(("extract_vllm", _extract(cuda, gpus, step_dir(work, "extract_vllm"),
+                                               size("samples"), size("max_length"))
+                      + ["--engine", "vllm"], None))
     return steps + (quality_commands(cuda, gpus, work, quality_minutes) if quality_minutes else [])
+
+
+def vllm_available() -> bool:
+    """Whether the vLLM engine environment exists (scripts/setup_vllm.sh)."""
+    from eagle3_ray.engine import vllm as vllm_engine
+    try:
+        vllm_engine.engine_python()
+        return True
+    except (RuntimeError, FileNotFoundError):
+        return False
 
 
 def quality_commands(cuda: bool, gpus: int, work: str, minutes: float) -> list:
@@ -138,7 +155,7 @@ def machine() -> dict:
 def figures(name: str, work: str) -> dict:
     """What a step's outputs say, for the JSON."""
     out = step_dir(work, name)
-    if name in ("extract", "quality_extract"):
+    if name in ("extract", "quality_extract", "extract_vllm"):
         m = json.load(open(os.path.join(out, "manifest.json")))
         s, run = m["summary"], m["summary"]["this_run"]
         # wall_s includes Ray's and the actors' start-up (most of a short run's time, 2026-12-04

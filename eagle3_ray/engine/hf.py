@@ -6,6 +6,7 @@ file, or `embedded:smollm2` — SmolLM2-135M-Instruct shipped as GGUF inside the
 PyPI package (located with importlib, never imported: the package itself needs llama-cpp).
 
     python -m eagle3_ray.engine.hf embedded:smollm2      # prints the verifier's facts
+    python -m eagle3_ray.engine.hf --materialize         # prints its transformers directory
 """
 from __future__ import annotations
 
@@ -254,7 +255,12 @@ def forward_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec", nargs="?", default=EMBEDDED_VERIFIER)
+    p.add_argument("--materialize", action="store_true",
+                   help="print the transformers directory of spec (a GGUF is converted once)")
     a = p.parse_args(argv)
+    if a.materialize:
+        print(materialize(a.spec))
+        return
     cfg, tok = load_config(a.spec), load_tokenizer(a.spec)
     print(json.dumps(verifier_facts(a.spec, cfg, tok, default_aux_layer_ids(cfg.num_hidden_layers)),
                      indent=2))

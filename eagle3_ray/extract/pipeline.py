@@ -4,7 +4,10 @@
       -> Tokenize        CPU actor pool: chat template + assistant loss mask
       -> VerifierExtractor actor pool, one verifier replica per actor (num_gpus=gpus_per_replica):
            [optional] regenerate the assistant turns with the verifier, batched
-           forward in micro-batches packed to a token budget, hooks capture 3 aux layers + last
+           engine hf: forward in micro-batches packed to a token budget, hooks capture 3 aux
+             layers + last; engine vllm: a vLLM engine (its own environment, Ray's
+             py_executable; tensor-parallel over the replica's GPUs) captures them with
+             `extract_hidden_states` (engine/vllm.py)
            write its own Parquet part atomically (name = hash of its sample ids), return a summary
       -> driver: sums the summaries, checks every sample is there exactly once, writes manifest.json
 
@@ -14,6 +17,7 @@ interrupted temp files removed. A dying actor is restarted by Ray and its batch 
 retried batch rewrites the same part file, so nothing is duplicated.
 
     eagle3-ray extract --inputs embedded:sharegpt --limit 16 --max-length 256 --output /tmp/hs
+    eagle3-ray extract --engine vllm --limit 16 --max-length 256 --output /tmp/hs-vllm
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import pyarrow.compute as pc
 
 from eagle3_ray import __version__
 from eagle3_ray.data import conversations as data, schema
-from eagle3_ray.engine import hf as verifier
+from eagle3_ray.engine import hf as verifier, vllm as vllm_engine
 from eagle3_ray.extract import regen
 
 SUMMARY_SCHEMA = pa.schema([("file", pa.string()), ("samples", pa.int64()), ("tokens", pa.int64()),
@@ -51,6 +55,9 @@ class ExtractConfig:
     inputs: list[str] = field(default_factory=lambda: [data.EMBEDDED_SHAREGPT])  # files/dirs/URIs
     output: str = "runs/extract"         # dataset directory: local path or pyarrow-filesystem URI
     verifier: str = verifier.EMBEDDED_VERIFIER  # transformers dir, .gguf file, or embedded:smollm2
+    engine: str = "hf"                   # who holds the verifier: hf (transformers) | vllm
+    engine_model: str | None = None      # vllm: the transformers dir it loads (run_extract sets
+                                         # it: a GGUF verifier is converted once, on the driver)
     layer_ids: list[int] | None = None   # aux layers, vLLM convention, each >= 1, sorted
                                          # ascending; None = (2, L//2, L-3)
     max_length: int = 2048               # tokens per sample after the chat template (truncate)
@@ -115,7 +122,11 @@ def replica_threads(cfg: ExtractConfig) -> int:
 def micro_batch_tokens(cfg: ExtractConfig) -> int:
     """Padded tokens per verifier forward: cfg.token_budget, else 16384 on GPUs and 2048 on
     CPU, where [16, 512] costs ~6% more per token than [4, 512] or [1, 512] (its activations
-    leave the cache; measured on SmolLM2, bf16 AVX512-BF16 and fp32 AVX2, docs/benchmarks.md)."""
+    leave the cache; measured on SmolLM2, bf16 AVX512-BF16 and fp32 AVX2, docs/benchmarks.md).
+    Engine vllm: the prompts of one generate call (vLLM schedules them itself), 4096 on CPU:
+    its prompt logprobs hold [tokens, vocab] fp32 logits."""
+    if cfg.engine == "vllm":
+        return cfg.token_budget or (16384 if cfg.gpus_per_replica else 4096)
     return cfg.token_budget or (16384 if cfg.gpus_per_replica else 2048)
 
 
@@ -154,6 +165,11 @@ def replica_runtime_env(cfg: ExtractConfig) -> dict | None:
     of the plain loop at niceness 0 against 0.90 at 15, within the noise, so this is a guard for
     a shared node more than a speed-up. Online (emit="rows") they keep Ray's 15, as the training
     workers beside them do; GPU replicas too (their CPU threads only feed the GPU)."""
+    if cfg.engine == "vllm":          # vLLM's own environment, whatever the placement
+        env = vllm_engine.runtime_env(replica_threads(cfg), gpus=cfg.gpus_per_replica)
+        if not cfg.gpus_per_replica and cfg.emit == "parts":
+            env["env_vars"]["RAY_worker_niceness"] = "0"
+        return env
     if cfg.gpus_per_replica or cfg.emit != "parts":
         return None
     return {"env_vars": {"RAY_worker_niceness": "0"}}
@@ -297,12 +313,21 @@ class VerifierExtractor:
         self.cfg, self.facts = cfg, facts
         if cfg.gpus_per_replica == 0:
             torch.set_num_threads(replica_threads(cfg))
-        dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
-        self.model = verifier.load_verifier(cfg.verifier, dtype, cfg.gpus_per_replica,
-                                            cfg.max_gpu_memory)
-        self.tok = verifier.load_tokenizer(cfg.verifier)
+        self.model = self.engine = None
+        if cfg.engine == "vllm":       # in vLLM's environment (extraction_stages' runtime_env)
+            self.engine = vllm_engine.VllmVerifier(
+                cfg.engine_model, facts["aux_layer_ids"], facts["num_layers"],
+                max_model_len=cfg.max_length + 1, batch_tokens=micro_batch_tokens(cfg),
+                **vllm_engine.engine_kwargs(dtype=cfg.dtype, gpus=cfg.gpus_per_replica,
+                                            replicas=cfg.replicas))
+            self.tok = verifier.load_tokenizer(cfg.engine_model)
+        else:
+            dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+            self.model = verifier.load_verifier(cfg.verifier, dtype, cfg.gpus_per_replica,
+                                                cfg.max_gpu_memory)
+            self.tok = verifier.load_tokenizer(cfg.verifier)
+            self.device = self.model.base_model.embed_tokens.weight.device
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
-        self.device = self.model.base_model.embed_tokens.weight.device
         self.generator = None  # regen.BatchGenerator, built on the first --regenerate batch
         self.part_schema = schema.schema_for(cfg.hidden_storage)  # fp8: + the scale columns
         self.fs, self.root = schema.resolve_fs(cfg.output) if cfg.output else (None, None)
@@ -373,7 +398,7 @@ class VerifierExtractor:
                 for k, v in part_values(rows[i], aux[j], last[j], greedy[j], storage).items():
                     out[k].append(v)
                 nbytes += len(rows[i]["input_ids"]) * schema.hidden_bytes_per_token(
-                    aux.shape[-1], storage)
+                    aux[j].shape[-1], storage)
             if nbytes >= self.cfg.part_bytes:  # bound memory: close a table (one part each)
                 tables.append(pa.table(out, schema=self.part_schema))
                 out, nbytes = self._empty_part(), 0
@@ -397,7 +422,13 @@ class VerifierExtractor:
         return init_s
 
     def _forward(self, seqs: list[list[int]]):
+        """-> aux [B, >=S, 3, H], last [B, >=S, H], greedy [B, >=S]: bf16 hidden states (padded
+        tensors from hf, per-sequence lists from vllm), each row cut to its length later."""
         import torch
+        if self.engine is not None:
+            aux, last, greedy = self.engine.hidden_states(seqs)
+            return ([a.to(torch.bfloat16) for a in aux], [x.to(torch.bfloat16) for x in last],
+                    greedy)
         s = max(len(x) for x in seqs)
         ids = torch.full((len(seqs), s), self.pad_id, dtype=torch.long)      # [B, S] right-padded
         mask = torch.zeros((len(seqs), s), dtype=torch.long)                 # [B, S]
@@ -443,6 +474,9 @@ class VerifierExtractor:
                   sids: list[str], skipped: collections.Counter) -> list[list[int] | None]:
         """New token ids per prompt, batched; if a batch fails, each prompt is retried alone
         and the ones that still fail come back as None (their records are skipped)."""
+        if self.engine is not None:    # vLLM batches and schedules the prompts itself
+            return self.engine.generate(prompts, max_new, seeds, self.cfg.regen_temperature,
+                                        self.cfg.regen_top_p)
         if self.generator is None:
             self.generator = regen.BatchGenerator(
                 self.model, self.pad_id, verifier.eos_ids(self.model, self.tok),
@@ -525,6 +559,17 @@ def finalize(cfg: ExtractConfig, facts: dict, read_stats: data.ReadStats,
     return manifest
 
 
+def with_engine_model(cfg: ExtractConfig) -> ExtractConfig:
+    """Engine vllm: check its environment exists (engine_python raises with the set-up command)
+    and give it a transformers directory (a GGUF verifier is converted here, once)."""
+    if cfg.engine not in ("hf", "vllm"):
+        raise ValueError(f"engine {cfg.engine!r}: hf or vllm")
+    if cfg.engine != "vllm":
+        return cfg
+    vllm_engine.engine_python()
+    return replace(cfg, engine_model=os.path.abspath(verifier.materialize(cfg.verifier)))
+
+
 def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
     """Run (or resume) extraction; returns the manifest. Checks the inputs and the verifier
     first, then connects to Ray at `address` / $RAY_ADDRESS or starts a local one."""
@@ -533,6 +578,7 @@ def run_extract(cfg: ExtractConfig, address: str | None = None) -> dict:
     schema.check_storage(cfg.hidden_storage)
     cfg = replace(cfg, output=schema.absolute(cfg.output),
                   verifier=verifier.absolute_spec(cfg.verifier))
+    cfg = with_engine_model(cfg)
     init_ray(address)
     cfg = fit_cpus(cfg)
     t0 = time.perf_counter()

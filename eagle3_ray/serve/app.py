@@ -87,6 +87,10 @@ class ServeConfig:
     request_timeout_s: float = 300.0      # proxy-level (http_options): 408 after this
     api_key: str | None = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_API_KEY"))
     max_model_len: int | None = None      # prompt + output tokens; default: the verifier's
+    dtype: str | None = None              # engine vllm: bf16 | fp32 | fp16; None: bf16 on GPUs
+                                          # and CPUs with native bf16, else fp32 (engine.vllm)
+    eager: bool | None = None             # engine vllm: enforce_eager; None: eager on CPU hosts
+                                          # with < 8 cores (torch.compile's start-up outweighs)
     default_max_tokens: int = 256         # when a request gives none
     torch_threads: int = 0                # 0 = cpus_per_replica (CPU) / torch default (GPU)
     host: str = "127.0.0.1"
@@ -667,7 +671,11 @@ def start(cfg: ServeConfig, address: str | None = None, name: str = "eagle3") ->
     init_ray(address)
     serve.start(http_options={"host": cfg.host, "port": cfg.port,
                               "request_timeout_s": cfg.request_timeout_s})
-    serve.run(build_app(cfg), name=name, route_prefix="/")
+    if cfg.engine == "vllm":               # built and run in vLLM's environment (vllm.py)
+        from eagle3_ray.serve import vllm
+        vllm.deploy(fit_cpus(cfg), name)
+    else:
+        serve.run(build_app(cfg), name=name, route_prefix="/")
     url = f"http://{cfg.host}:{cfg.port}"
     if cfg.engine == "builtin":            # what a replica serves instead of the config, and why
         import requests

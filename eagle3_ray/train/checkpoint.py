@@ -16,14 +16,16 @@ in the verifier's dtype (SGLang takes the draft's dtype from its config; a float
 as float16 under --dtype auto, against a bf16 verifier). What each engine expects (read in
 their sources; no code taken):
   - vLLM vllm/model_executor/models/llama_eagle3.py (Eagle3LlamaForCausalLM.load_weights):
-    renames "midlayer." -> "layers.0.", "d2t" -> draft_id_to_target_id, skips "t2d", and skips
-    embed_tokens when the checkpoint has none (vllm/v1/worker/gpu/spec_decode/eagle/utils.py
-    then shares the target's embedding). Registry maps architecture "LlamaForCausalLMEagle3"
-    to Eagle3LlamaForCausalLM. Residual: `norm_before_residual` read from the config, default
-    False there. Aux layers: vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
-    (get_eagle3_aux_layers_from_config) reads the *top-level* `eagle_aux_hidden_state_layer_ids`
-    of the draft config, used as-is: vllm/model_executor/models/llama.py captures
-    `hidden_states + residual` *before* layer idx, i.e. the input of that layer.
+    renames "midlayer." -> "layers.0.", "d2t" -> draft_id_to_target_id (a parameter only when
+    the draft vocab is smaller than the verifier's: a full-vocab export carries no d2t/t2d),
+    skips "t2d", and skips embed_tokens when the checkpoint has none
+    (vllm/v1/worker/gpu/spec_decode/eagle/utils.py then shares the target's embedding).
+    Registry maps architecture "LlamaForCausalLMEagle3" to Eagle3LlamaForCausalLM.
+    Residual: `norm_before_residual` read from the config, default False there. Aux layers:
+    vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (get_eagle3_aux_layers_from_config)
+    reads the *top-level* `eagle_aux_hidden_state_layer_ids` of the draft config, used as-is:
+    vllm/model_executor/models/llama.py captures `hidden_states + residual` *before* layer idx,
+    i.e. the input of that layer.
   - SGLang python/sglang/srt/model_executor/model_runner.py reads
     `eagle_config["eagle_aux_hidden_state_layer_ids"]` (nested only), and
     python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) captures at
@@ -505,6 +507,10 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
     state = {k: v.to(to) if v.is_floating_point() else v for k, v in state.items()}
     if format in ("sglang", "vllm"):
         tensors, config = state, _engine_json(cfg, dtype, export=format)
+        if format == "vllm" and cfg.draft_vocab_size == cfg.vocab_size:
+            # vLLM's Eagle3LlamaForCausalLM registers draft_id_to_target_id only for a reduced
+            # draft vocab, and refuses the tensor otherwise ("no module or parameter named")
+            tensors = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     else:
         k = speculative_tokens or meta.get("serving_depth") or meta.get("ttt_steps") or 3
         tensors = _speculators_weights(state, cfg)

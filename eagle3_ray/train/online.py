@@ -281,6 +281,7 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
     cache = schema.absolute(cache) if cache else None
     ecfg = replace(ecfg, verifier=tcfg.verifier, output=cache or "", emit="rows",
                    stats_actor=f"online-stats-{run_id}")
+    ecfg = extract.with_engine_model(ecfg)   # --engine vllm: its environment, a transformers dir
     tcfg = replace(tcfg, dataset=cache or f"online:{','.join(ecfg.inputs)}")
     train.check_config(tcfg)
     tok, config = verifier.load_tokenizer(tcfg.verifier), verifier.load_config(tcfg.verifier)

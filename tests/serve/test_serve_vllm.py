@@ -1,26 +1,38 @@
-"""The vLLM engine option of serving (serve/vllm.py): a real drafter checkpoint is exported to
-vLLM's layout and turned into ray.serve.llm LLMConfig arguments.
+"""The vLLM engine option of serving (serve/vllm.py).
 
-vLLM is not installed here (and cannot be), so nothing is deployed: the tests check the export
-and the generated config. `ray.serve.llm` itself does not import without vLLM or SGLang in Ray
-2.60 (its builder imports the OpenAI protocol models, which raise "Neither vLLM nor SGLang is
-installed"), so the public `ray.serve.llm.LLMConfig` cannot be built here. Its class body is
-`pass` over ray.llm._internal.serve.core.configs.llm_config.LLMConfig, which does import, so the
-tests run the real pydantic validation through that base class, plus the PlacementGroupConfig
-check vLLM's engine config applies to placement_group_config. Where even that fails to import,
-that part is skipped with the reason.
+Unit tests (no vLLM needed): a real drafter checkpoint is exported to vLLM's layout and turned
+into ray.serve.llm LLMConfig arguments, validated by Ray's own pydantic models: in the project's
+environment (.venv, no vLLM) the public `ray.serve.llm.LLMConfig` does not import (Ray 2.60's
+builder imports vLLM's OpenAI protocol models), but it is `pass` over
+ray.llm._internal.serve.core.configs.llm_config.LLMConfig, which does; the Serve application
+configs go through ServeDeploySchema; the /metrics rendering runs on captured Ray exposition
+text.
 
-The verifier here is only a config.json (tiny Llama): nothing loads its weights without vLLM.
+A real run (test_served_*): vLLM's CPU build in its own environment (.venv-vllm, made by
+scripts/setup_vllm.sh; skipped with the reason where it is absent). On the session Ray cluster
+(2 CPUs) `serve.app.start` deploys the tiny random verifier (conftest's vllm_verifier: H=128 in
+2 heads, as vLLM's CPU attention has no kernels for tiny_verifier's head size 16) with a drafter
+trained here for a few steps on the verifier's own greedy continuations (draft vocab 256), at
+depth 3, fp32, eager; the official `openai` client asks for greedy chat and completions, plain
+and streaming, whose tokens must equal the builtin decoder at depth 0 and transformers'
+`generate`; then vLLM's spec-decode counters must show up on the app's /metrics and feed the
+planner. The app is shut down after. ~2 min on 2 busy cores, most of it vLLM's start (its
+imports in the build task, the replica, the engine core and its worker).
 """
 import importlib.util
 import json
 import os
+import socket
+import sys
+import time
 import types
 
 import numpy as np
 import pytest
 import torch
 
+from eagle3_ray.engine import vllm as engine_vllm
+from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER
 from eagle3_ray.serve import vllm as serve_vllm
 from eagle3_ray.train import checkpoint, vocab
 from eagle3_ray.train.draft import DraftConfig
@@ -36,7 +48,8 @@ DEFAULTS = dict(verifier="", drafter=None, model_name="eagle3-ray", depth=4, max
                 engine="vllm", gpus_per_replica=0, cpus_per_replica=1.0, node_resource=None,
                 num_replicas=1, autoscaling=None, max_ongoing_requests=4, max_queued_requests=16,
                 request_timeout_s=300.0, api_key=None, max_model_len=None,
-                dynamic_depth=False, profile=None, simulate_interconnect=None)
+                dynamic_depth=False, profile=None, simulate_interconnect=None, torch_threads=0,
+                dtype=None, eager=None)
 
 
 def make_cfg(**kw):
@@ -44,6 +57,13 @@ def make_cfg(**kw):
     if ServeConfig is not None:
         return ServeConfig(**fields)
     return types.SimpleNamespace(**fields)
+
+
+@pytest.fixture
+def engine_python(monkeypatch):
+    """The engine environment's python as this one (the configs only name it)."""
+    monkeypatch.setenv("EAGLE3_RAY_VLLM_PYTHON", sys.executable)
+    return sys.executable
 
 
 def validated_llm_config(kwargs: dict):
@@ -68,10 +88,10 @@ def verifier_dir(tmp_path_factory):
     return str(d)
 
 
-def save_tiny_drafter(directory: str, verifier: str, seed: int = 0) -> str:
+def save_tiny_drafter(directory: str, verifier: str, seed: int = 0, draft_vocab: int = 40) -> str:
     from transformers import AutoConfig
     cfg = DraftConfig.from_verifier_config(AutoConfig.from_pretrained(verifier),
-                                           draft_vocab_size=40, aux_layer_ids=AUX)
+                                           draft_vocab_size=draft_vocab, aux_layer_ids=AUX)
     g = torch.Generator().manual_seed(seed)
     state = {k: torch.randn(shape, generator=g).to(torch.bfloat16)
              for k, (shape, dt) in checkpoint.expected_shapes(cfg).items() if dt is None}
@@ -85,7 +105,7 @@ def drafter_dir(tmp_path, verifier_dir):
     return save_tiny_drafter(str(tmp_path / "drafter"), verifier_dir)
 
 
-def test_real_export_to_llm_config(drafter_dir, verifier_dir):
+def test_real_export_to_llm_config(drafter_dir, verifier_dir, engine_python):
     autoscaling = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4}
     cfg = make_cfg(verifier=verifier_dir, drafter=drafter_dir, model_name="kimi-eagle3", depth=12,
                    gpus_per_replica=4, cpus_per_replica=2, node_resource="pcie_node",
@@ -105,15 +125,20 @@ def test_real_export_to_llm_config(drafter_dir, verifier_dir):
     assert eng["speculative_config"] == {"method": "eagle3", "model": out,
                                          "num_speculative_tokens": cfg.depth}
     assert eng["tensor_parallel_size"] == 4 and eng["max_model_len"] == 4096
+    assert eng["dtype"] == "bfloat16" and eng["enforce_eager"] is False   # GPUs: bf16, graphs
+    assert "kv_cache_memory_bytes" not in eng                             # vLLM sizes it
     pg = kw["placement_group_config"]
     assert pg["strategy"] == "STRICT_PACK" and len(pg["bundles"]) == 4
-    assert all(b["GPU"] == 1 for b in pg["bundles"])
+    assert all(b["GPU"] == 1 and "CPU" not in b for b in pg["bundles"])
     assert pg["bundles"][0]["pcie_node"] > 0                       # pinned to the PCIe node
     assert not any("pcie_node" in b for b in pg["bundles"][1:])    # STRICT_PACK keeps the rest
     dep = kw["deployment_config"]
     assert dep["max_ongoing_requests"] == 8 and dep["max_queued_requests"] == 32
     assert dep["autoscaling_config"] == autoscaling and "num_replicas" not in dep
-    assert dep["ray_actor_options"] == {"num_cpus": 2}
+    assert dep["ray_actor_options"] == {"num_cpus": 2} and dep["max_constructor_retry_count"] == 3
+    assert kw["runtime_env"]["py_executable"] == engine_python     # the engine environment
+    assert "OMP_NUM_THREADS" not in kw["runtime_env"]["env_vars"]  # GPUs: no CPU threads set
+    assert kw["log_engine_metrics"] is True
 
     llm = validated_llm_config(kw)                # Ray's own pydantic validation
     assert llm.model_id == "kimi-eagle3" and llm.max_request_context_length == 4096
@@ -122,31 +147,99 @@ def test_real_export_to_llm_config(drafter_dir, verifier_dir):
     assert llm.deployment_config["max_queued_requests"] == 32
     from ray.llm._internal.common.placement import PlacementGroupConfig   # what vLLM's config runs
     assert PlacementGroupConfig(**llm.placement_group_config).bundles[0].model_extra == \
-        {"pcie_node": serve_vllm.NODE_RESOURCE_SLIVER}
+        {"pcie_node": NODE_RESOURCE_SLIVER}
 
 
-def test_export_kept_until_the_drafter_changes(drafter_dir, verifier_dir):
-    cfg = make_cfg(verifier=verifier_dir, drafter=drafter_dir)
-    out = serve_vllm.ensure_vllm_export(cfg)
-    weights = os.path.join(out, "model.safetensors")
-    first = os.stat(weights).st_ino, os.stat(weights).st_mtime_ns
-    assert serve_vllm.ensure_vllm_export(cfg) == out
-    assert (os.stat(weights).st_ino, os.stat(weights).st_mtime_ns) == first   # not rewritten
+def test_cpu_replica_asks_cpus_only(verifier_dir, engine_python):
+    """No GPUs: one CPU bundle with the replica's CPUs (the actor asks none besides), vLLM's
+    CPU settings from engine.vllm, and Ray's CPU backend chosen from the bundles."""
+    cfg = make_cfg(verifier=verifier_dir, depth=0, cpus_per_replica=1.5, node_resource="cpu_node",
+                   num_replicas=2, dtype="fp32", eager=True)
+    kw = serve_vllm.llm_config(cfg, None)
+    assert kw["placement_group_config"] == {"bundles": [{"CPU": 1.5, "cpu_node": 0.001}],
+                                            "strategy": "STRICT_PACK"}
+    assert kw["deployment_config"]["ray_actor_options"] == {"num_cpus": 0}
+    eng = kw["engine_kwargs"]
+    assert eng["dtype"] == "float32" and eng["enforce_eager"] is True
+    assert eng["tensor_parallel_size"] == 1
+    assert eng["kv_cache_memory_bytes"] == engine_vllm.kv_cache_bytes(2)   # shared by 2 replicas
+    env = kw["runtime_env"]["env_vars"]
+    assert env["OMP_NUM_THREADS"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"      # AsyncLLM's engine core process
+    host = make_cfg(verifier=verifier_dir, depth=0, torch_threads=3)
+    assert serve_vllm.llm_config(host, None)["engine_kwargs"]["dtype"] == \
+        engine_vllm.engine_dtype(None)                        # the host's: bf16 only if native
+    assert serve_vllm.llm_config(host, None)["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "3"
+    llm = validated_llm_config(kw)
+    assert llm.accelerator_config.kind == "cpu"   # no GPU key: Ray Serve LLM's CPU backend
 
-    os.remove(os.path.join(out, serve_vllm.SOURCE_FILE))   # e.g. a crash right after export
-    serve_vllm.ensure_vllm_export(cfg)
-    assert os.path.isfile(os.path.join(out, serve_vllm.SOURCE_FILE))
 
-    export_cfg = json.load(open(os.path.join(out, "config.json")))
-    save_tiny_drafter(drafter_dir, verifier_dir, seed=1)   # retrained in place
-    out2 = serve_vllm.ensure_vllm_export(cfg)
-    assert out2 == out and json.load(open(os.path.join(out, "config.json"))) == export_cfg
-    src = json.load(open(os.path.join(out, serve_vllm.SOURCE_FILE)))
-    meta = json.load(open(os.path.join(drafter_dir, "meta.json")))
-    assert src["files"] == meta["files"]                   # made from the new weights
+def test_serve_apps_run_in_the_engine_environment(drafter_dir, verifier_dir, engine_python):
+    """`deploy`'s two declarative apps, checked by Serve's own schema: both built and run by the
+    engine python, the OpenAI one from Ray's own builder with plain-data args."""
+    from ray.serve.schema import ServeDeploySchema
+    cfg = make_cfg(verifier=verifier_dir, drafter=drafter_dir, model_name="m", depth=3)
+    apps = serve_vllm.app_configs(cfg, "x")
+    assert os.path.isdir(serve_vllm.vllm_export_dir(cfg))          # exported by the driver
+    schema = ServeDeploySchema.model_validate({"applications": apps})
+    llm_app, metrics_app = schema.applications
+    assert (llm_app.name, llm_app.route_prefix, llm_app.import_path) == \
+        ("x", "/", "ray.serve.llm:build_openai_app")
+    assert (metrics_app.name, metrics_app.route_prefix, metrics_app.import_path) == \
+        ("x-metrics", "/metrics", "eagle3_ray.serve.vllm:metrics_app")
+    assert llm_app.runtime_env == metrics_app.runtime_env == {"py_executable": engine_python}
+    args = json.loads(json.dumps(llm_app.args))                   # plain data
+    assert args["ingress_deployment_config"] == {"ray_actor_options": {"num_cpus": 0}}
+    (llm,) = args["llm_configs"]
+    assert llm["engine_kwargs"]["speculative_config"]["model"] == serve_vllm.vllm_export_dir(cfg)
+    assert metrics_app.args == {"model_name": "m", "depth": 3}
+    try:                                          # Ray's own args model, where it imports
+        from ray.llm._internal.serve.core.ingress.builder import LLMServingArgs
+    except ImportError:
+        return
+    assert LLMServingArgs.model_validate(args).llm_configs[0].model_id == "m"
 
 
-def test_plain_decoding_and_small_replicas(verifier_dir):
+# Ray's Prometheus text as its metrics agent exports vLLM's Ray metrics (shape of a real scrape).
+RAY_TEXT = """# HELP ray_vllm_spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE ray_vllm_spec_decode_num_drafts_total counter
+ray_vllm_spec_decode_num_drafts_total{Component="core_worker",ReplicaId="r1",engine="0",model_name="m",otel_scope_name="x"} 10.0
+ray_vllm_spec_decode_num_drafts_total{Component="core_worker",ReplicaId="r2",engine="0",model_name="other"} 99.0
+# TYPE ray_vllm_spec_decode_num_draft_tokens_total counter
+ray_vllm_spec_decode_num_draft_tokens_total{ReplicaId="r1",engine="0",model_name="m"} 30.0
+# TYPE ray_vllm_spec_decode_num_accepted_tokens_total counter
+ray_vllm_spec_decode_num_accepted_tokens_total{ReplicaId="r1",engine="0",model_name="m"} 15.0
+# TYPE ray_vllm_spec_decode_num_accepted_tokens_per_pos_total counter
+ray_vllm_spec_decode_num_accepted_tokens_per_pos_total{ReplicaId="r1",engine="0",model_name="m",position="0"} 8.0
+ray_vllm_spec_decode_num_accepted_tokens_per_pos_total{ReplicaId="r1",engine="0",model_name="m",position="1"} 5.0
+ray_vllm_spec_decode_num_accepted_tokens_per_pos_total{ReplicaId="r1",engine="0",model_name="m",position="2"} 2.0
+# TYPE ray_node_cpu_count gauge
+ray_node_cpu_count{ip="1.2.3.4"} 2.0
+"""
+
+
+def test_metrics_text_renames_vllm_series_and_sums_per_position():
+    from eagle3_ray.plan import planner
+    second = RAY_TEXT.replace('"r1"', '"r3"')                     # a second node's replica
+    text = serve_vllm.vllm_metrics_text([RAY_TEXT, second, ""], "m", 3)
+    m = planner.parse_metrics(text)
+    assert m['vllm:spec_decode_num_drafts_total{Component="core_worker",ReplicaId="r1",'
+             'engine="0",model_name="m"}'] == 10                 # vLLM's name, otel labels gone
+    assert not any(k.startswith(("ray_", "vllm:node")) for k in m)          # Ray's own: out
+    assert text.count("# TYPE vllm:spec_decode_num_drafts_total counter") == 1
+    assert m["eagle3_ray_rounds_total"] == 20 and m["eagle3_ray_accepted_tokens_total"] == 30
+    assert m["eagle3_ray_drafted_tokens_total"] == 60
+    assert m["eagle3_ray_acceptance_length"] == pytest.approx((30 + 20) / 20)
+    assert [m[f'eagle3_ray_drafted_at_position_total{{position="{k}"}}'] for k in range(3)] == \
+        [20, 20, 20]
+    assert [m[f'eagle3_ray_accepted_at_position_total{{position="{k}"}}'] for k in range(3)] == \
+        [16, 10, 4]
+    cond, known, _ = planner._from_metrics_text(text, "test")     # what `plan` reads
+    assert known == 3 and cond == pytest.approx([16 / 20, 10 / 16, 4 / 10])
+    assert "eagle3_ray_drafted_at_position_total" not in serve_vllm.vllm_metrics_text([], "m", 3)
+
+
+def test_plain_decoding_and_small_replicas(verifier_dir, engine_python):
     cfg = make_cfg(verifier=verifier_dir, depth=0, gpus_per_replica=0.5, num_replicas=3)
     kw = serve_vllm.llm_config(cfg, None)
     assert "speculative_config" not in kw["engine_kwargs"]
@@ -160,7 +253,7 @@ def test_plain_decoding_and_small_replicas(verifier_dir):
     assert "speculative_config" not in serve_vllm.llm_config(cfg, "/some/export")["engine_kwargs"]
 
 
-def test_clear_errors(verifier_dir, drafter_dir):
+def test_clear_errors(verifier_dir, drafter_dir, engine_python):
     with pytest.raises(ValueError, match="api_key.*builtin"):
         serve_vllm.llm_config(make_cfg(verifier=verifier_dir, api_key="sk-x"), None)
     with pytest.raises(ValueError, match="builtin engine"):
@@ -171,13 +264,230 @@ def test_clear_errors(verifier_dir, drafter_dir):
         serve_vllm.llm_config(make_cfg(verifier="embedded:smollm2"), None)
     with pytest.raises(ValueError, match="needs a drafter"):
         serve_vllm.build_vllm_app(make_cfg(verifier=verifier_dir, depth=4))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        serve_vllm.app_configs(make_cfg(verifier=verifier_dir, depth=4))
     with pytest.raises(ValueError, match="no drafter"):
         serve_vllm.vllm_export_dir(make_cfg(verifier=verifier_dir))
+
+
+def test_full_vocab_drafter_exports_without_d2t(verifier_dir, tmp_path):
+    """vLLM has no d2t parameter for a drafter whose draft vocab is the whole vocabulary and
+    refuses one at load: the export leaves d2t and t2d out there."""
+    from safetensors import safe_open
+    full = save_tiny_drafter(str(tmp_path / "full"), verifier_dir, draft_vocab=100)
+    out = serve_vllm.ensure_vllm_export(make_cfg(verifier=verifier_dir, drafter=full))
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        assert "d2t" not in f.keys() and "t2d" not in f.keys()
+
+
+def test_cli_flags_reach_the_config():
+    from eagle3_ray import cli
+    a = cli.parser().parse_args(["serve", "--engine", "vllm", "--dtype", "fp32", "--no-eager"])
+    cfg = cli.serve_config(a)
+    assert (cfg.engine, cfg.dtype, cfg.eager) == ("vllm", "fp32", False)
+    cfg = cli.serve_config(cli.parser().parse_args(["serve", "--eager"]))
+    assert (cfg.dtype, cfg.eager) == (None, True)
+    assert cli.serve_config(cli.parser().parse_args(["serve"])).eager is None   # host decides
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
 def test_build_without_vllm_says_what_to_install(drafter_dir, verifier_dir):
     cfg = make_cfg(verifier=verifier_dir, drafter=drafter_dir, depth=4)
-    with pytest.raises(RuntimeError, match=r'(?s)vLLM.*pip install "ray\[llm\]".*builtin'):
+    with pytest.raises(RuntimeError, match=r"(?s)vLLM.*py_executable.*setup_vllm\.sh.*builtin"):
         serve_vllm.build_vllm_app(cfg)
     assert not os.path.exists(serve_vllm.vllm_export_dir(cfg))   # failed before any work
+
+
+def test_no_engine_environment_says_how_to_make_one(drafter_dir, verifier_dir, monkeypatch):
+    monkeypatch.setenv("EAGLE3_RAY_VLLM_PYTHON", os.path.join(str(verifier_dir), "no-python"))
+    cfg = make_cfg(verifier=verifier_dir, drafter=drafter_dir, depth=4)
+    with pytest.raises(FileNotFoundError, match="EAGLE3_RAY_VLLM_PYTHON"):
+        serve_vllm.app_configs(cfg)
+    assert not os.path.exists(serve_vllm.vllm_export_dir(cfg))   # failed before any work
+
+
+# --- served for real: vLLM's CPU build in .venv-vllm ------------------------------------------
+
+MODEL = "tiny"
+DEPTH = 3
+QUESTIONS = ["Tell me about rivers.", "What is the capital of France?", "Count to five.",
+             "Write a poem about the sea."]
+MAX_TOKENS = 24
+
+
+def missing_engine_env() -> str | None:
+    """Why there is no vLLM environment (engine.vllm.engine_python's RuntimeError), or None.
+    A wrong $EAGLE3_RAY_VLLM_PYTHON is an error, not a skip."""
+    try:
+        engine_vllm.engine_python()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_drafter(spec: str, out: str, prompts: list[list[int]], steps: int = 40,
+                  draft_vocab: int = 256) -> str:
+    """A drafter trained in-process for `steps` TTT steps (ttt_steps 3, hard targets) on the
+    verifier's own greedy continuations of `prompts`, its draft vocab the `draft_vocab` most
+    frequent tokens there, saved as a real checkpoint."""
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.train import draft, ttt
+    model = verifier.load_verifier(spec, dtype=torch.float32)
+    seqs = []
+    with torch.no_grad():
+        for p in prompts:
+            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False,
+                                       attention_mask=torch.ones(1, len(p), dtype=torch.long))[0])
+    n = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), n, dtype=torch.long)
+    att = torch.zeros(len(seqs), n, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], att[i, :len(s)] = s, 1
+    layer_ids = verifier.default_aux_layer_ids(model.config.num_hidden_layers)
+    aux, last, greedy = verifier.forward_hidden(model, ids, att, layer_ids)
+    counts = np.bincount(torch.cat([ids[att.bool()], greedy[att.bool()]]).numpy(),
+                         minlength=model.config.vocab_size)
+    c = DraftConfig.from_verifier_config(model.config, draft_vocab, layer_ids)
+    drafter, teacher = draft.build_drafter(spec, c, *vocab.build_mapping(counts, draft_vocab),
+                                           teacher_check=False)
+    batch = {"input_ids": ids, "attention_mask": att, "loss_mask": att,   # out of inference mode
+             "aux_hidden_states": aux.flatten(2).clone(), "last_hidden_states": last.clone(),
+             "target_ids": greedy.clone()}
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, metrics = ttt.ttt_loss(drafter, teacher, batch, DEPTH, targets="hard")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = {k: v.detach() for k, v in drafter.state_dict().items()
+             if not k.startswith("embed_tokens")}
+    return checkpoint.save_drafter(out, state, drafter.config,
+                                   {"ttt_steps": DEPTH, "verifier": spec, "steps": steps,
+                                    "final_metrics": {"train/loss": metrics["loss"]}})
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, vllm_verifier, tmp_path_factory):
+    """(base URL, prompt ids per question) of the vLLM app, shut down after the module."""
+    why = missing_engine_env()
+    if why:
+        pytest.skip(why)
+    from ray import serve as ray_serve
+    from eagle3_ray.data import conversations as data
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.serve import app
+    tok = verifier.load_tokenizer(vllm_verifier)
+    prompts = [data.prompt_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    threads, t0 = torch.get_num_threads(), time.perf_counter()
+    torch.set_num_threads(1)
+    try:
+        drafter = train_drafter(vllm_verifier, str(tmp_path_factory.mktemp("vsrv") / "drafter"),
+                                prompts)
+    finally:
+        torch.set_num_threads(threads)
+    cfg = ServeConfig(verifier=vllm_verifier, drafter=drafter, model_name=MODEL, depth=DEPTH,
+                      engine="vllm", dtype="fp32", eager=True, cpus_per_replica=1,
+                      max_model_len=512, api_key=None, port=free_port())
+    print(f"[test] drafter trained in {time.perf_counter() - t0:.0f}s", flush=True)
+    t0 = time.perf_counter()
+    try:
+        url = app.start(cfg, name="eagle3-vllm")
+        print(f"[test] vLLM app up in {time.perf_counter() - t0:.0f}s", flush=True)
+        yield url, prompts
+    finally:
+        ray_serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(served, vllm_verifier):
+    """Greedy tokens per question: the builtin decoder at depth 0 and transformers' generate,
+    both fp32 (the served dtype)."""
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.serve import speculate
+    _, prompts = served
+    model = verifier.load_verifier(vllm_verifier, dtype=torch.float32)
+    tok = verifier.load_tokenizer(vllm_verifier)
+    eos = tuple(verifier.eos_ids(model, tok))
+    spec = speculate.Speculator(model, None)
+    sp = speculate.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, eos_ids=eos)
+    builtin = [[t for r in spec.generate(list(p), sp, 0) for t in r.tokens] for p in prompts]
+    model = verifier.load_verifier(vllm_verifier, dtype=torch.float32)   # unpatched
+    hf = []
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            hf.append(out[0, len(p):].tolist())
+    return builtin, hf, tok
+
+
+def test_served_greedy_equals_builtin_and_generate(served, expected):
+    """The openai client, chat and completions, plain and streaming: the same tokens as the
+    builtin decoder at depth 0 and transformers' generate."""
+    from openai import OpenAI
+    url, prompts = served
+    builtin, hf, tok = expected
+    assert builtin == hf                                   # the references agree
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    for q, p, want in zip(QUESTIONS, prompts, builtin):
+        messages = [{"role": "user", "content": q}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                           max_tokens=MAX_TOKENS,
+                                           extra_body={"return_token_ids": True})
+        choice = r.choices[0]                              # vLLM's return_token_ids extension:
+        assert r.model_extra["prompt_token_ids"] == p      # the same chat-templated prompt
+        assert choice.model_extra["token_ids"] == want, q  # and the same greedy tokens
+        text = choice.message.content
+        assert text == tok.decode(want, skip_special_tokens=True), q
+        assert r.usage.completion_tokens == len(want)
+        stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                max_tokens=MAX_TOKENS, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    # completions: the prompt as token ids, the text back
+    c = client.completions.create(model=MODEL, prompt=prompts[0], temperature=0,
+                                  max_tokens=MAX_TOKENS, extra_body={"return_token_ids": True})
+    assert c.choices[0].model_extra["token_ids"] == builtin[0]
+    assert c.choices[0].text == tok.decode(builtin[0], skip_special_tokens=True)
+    streamed = client.completions.create(model=MODEL, prompt=prompts[0], temperature=0,
+                                         max_tokens=MAX_TOKENS, stream=True)
+    assert "".join(x.choices[0].text for x in streamed if x.choices) == c.choices[0].text
+
+
+def test_served_spec_decode_counters_on_metrics(served):
+    """vLLM's spec-decode counters on the app's /metrics (Ray exports them some seconds after
+    they change), and the planner reads the served acceptance from the URL."""
+    import requests
+    from eagle3_ray.plan import planner
+    url, prompts = served
+    requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts[0],
+                                                 "temperature": 0, "max_tokens": MAX_TOKENS},
+                  timeout=120).raise_for_status()
+    deadline, m = time.monotonic() + 90, {}
+    while time.monotonic() < deadline:
+        r = requests.get(url + "/metrics", timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        m = planner.parse_metrics(r.text)
+        if m.get("eagle3_ray_rounds_total", 0) > 0:
+            break
+        time.sleep(2)
+    drafts = {k: v for k, v in m.items() if k.startswith("vllm:spec_decode_num_drafts_total{")}
+    assert drafts and all(f'model_name="{MODEL}"' in k for k in drafts), sorted(m)[:20]
+    per_pos = {k: v for k, v in m.items()
+               if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")}
+    assert {k.split('position="')[1][0] for k in per_pos} == {"0", "1", "2"}
+    rounds = m["eagle3_ray_rounds_total"]
+    assert rounds == sum(drafts.values()) > 0
+    assert m["eagle3_ray_drafted_tokens_total"] == DEPTH * rounds
+    assert m['eagle3_ray_drafted_at_position_total{position="2"}'] == rounds
+    accepted = [m[f'eagle3_ray_accepted_at_position_total{{position="{k}"}}'] for k in range(3)]
+    assert accepted[0] > 0 and accepted == sorted(accepted, reverse=True)   # trained: accepts
+    assert m["eagle3_ray_accepted_tokens_total"] == sum(accepted)
+    cond, known, desc = planner.acceptance_from(url)
+    assert known == DEPTH and cond[0] == pytest.approx(accepted[0] / rounds)

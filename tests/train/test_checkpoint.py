@@ -360,7 +360,7 @@ def test_export_full_vocab_and_errors(tmp_path, saved):
     assert "d2t" not in w and "t2d" not in w                  # identity: speculators omits them
     w = load_file(os.path.join(checkpoint.export(d, str(tmp_path / "v"), "vllm"),
                                "model.safetensors"))
-    assert int(w["d2t"].abs().sum()) == 0 and bool(w["t2d"].all())
+    assert "d2t" not in w and "t2d" not in w                  # vLLM registers none either
     with pytest.raises(ValueError, match="export format"):
         checkpoint.export(saved[0], str(tmp_path / "x"), "onnx")
     with pytest.raises(FileNotFoundError, match="meta.json"):
