@@ -2,6 +2,7 @@
 
 stages       extract, train step, regen, fp8 storage
 serving      bench serve: the decoder at each depth beside transformers' own
+engines      bench engines: the builtin decoder and vLLM, same drafter, acceptance side by side
 quality      drafters compared by served acceptance (bench quality / recipe)
 online       online against offline training
 sweep        recipe arms at equal minutes
