@@ -430,8 +430,8 @@ def plot_engines(result: dict, path: str) -> None:
         ax.set_xlabel("draft position"), ax.set_ylabel("acceptance")
         ax.set_xticks(x), ax.set_ylim(0, 1), ax.grid(alpha=0.3), ax.legend(fontsize=7)
     fig.suptitle(f"{result['drafter']} (ttt {result['drafter_ttt_steps']}), "
-                 f"{result['prompts']} prompts x {result['max_tokens']} tokens, {result['dtype']}\nhost "
-                 f"{' '.join(result['host'])}", fontsize=8)
+                 f"{result['prompts']} prompts x {result['max_tokens']} tokens, "
+                 f"{result['dtype']}\nhost {' '.join(result['host'])}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
