@@ -89,19 +89,15 @@ def runtime_env(threads: int, in_process: bool = True, gpus: float = 0) -> dict:
     return {"py_executable": engine_python(), "env_vars": engine_env(threads, in_process, gpus)}
 
 
-def native_bf16() -> bool:
-    """engine.hf.native_bf16 without importing torch here (the driver may not need it)."""
-    from eagle3_ray.engine import hf
-    return hf.native_bf16()
-
-
 def engine_dtype(dtype: str | None, gpus: float = 0) -> str:
-    """vLLM's dtype: the one asked for, else bf16 on GPUs and on CPUs with native bf16, fp32 on
-    the others (left to itself vLLM picks bf16 there, emulated and slow, and compiles for
-    minutes)."""
+    """vLLM's dtype: the one asked for, else the HF engine's rule (hf.default_dtype: bf16 on GPUs
+    and on CPUs with native bf16, fp32 on the others; left to itself vLLM picks bf16 there,
+    emulated and slow, and compiles for minutes)."""
     if dtype:
         return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
-    return "bfloat16" if gpus or native_bf16() else "float32"
+    from eagle3_ray.engine import hf      # imported here: hf loads torch (serve's /metrics app
+                                          # imports this module and needs no torch)
+    return str(hf.default_dtype("cuda" if gpus else "cpu")).removeprefix("torch.")
 
 
 def kv_cache_bytes(replicas: int = 1) -> int:
