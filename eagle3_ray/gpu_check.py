@@ -17,12 +17,16 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
                   trained for M minutes, served on 20 held-out prompts: served acceptance
   6. vLLM         where scripts/setup_vllm.sh built the engine environment (.venv-vllm; the
                   CUDA build where nvidia-smi works): step 1 again with `--engine vllm`
-                  (extract_vllm: tokens/s beside step 1's)
-Without CUDA it says so, runs the same four steps at tiny sizes on the CPU (2 gloo workers,
-depths 0-2) plus the all-reduce curve with gloo between 2 processes (the code path of the NCCL
-one), and exits 0 when they pass (1 when a step fails). Writes --out (runs/gpu_check.json):
-the machine, and per step its command, status, wall time and figures; the step outputs stay
-under --work (runs/gpu_check/).
+                  (extract_vllm: tokens/s beside step 1's), and the DDP drafter served by
+                  vLLM and by the builtin decoder, both on one GPU, at depths 0, 3 and 8
+                  (--quick: 0, 2, 4) on step 3's prompts (bench_engines_vllm: `bench
+                  engines`; per engine tau, tokens/s and outputs identical to depth 0 per
+                  depth, and the prompts the two engines decode alike)
+Without CUDA it says so, runs the same steps at tiny sizes on the CPU (2 gloo workers,
+depths 0-2; bench_engines_vllm is printed, not run: CPU_SKIPPED) plus the all-reduce curve with
+gloo between 2 processes (the code path of the NCCL one), and exits 0 when they pass (1 when a
+step fails). Writes --out (runs/gpu_check.json): the machine, and per step its command,
+status, wall time and figures; the step outputs stay under --work (runs/gpu_check/).
 """
 from __future__ import annotations
 
@@ -39,7 +43,12 @@ SIZES = {
     "depths": ((0, 1, 2, 3, 4, 6, 8, 12, 16), (0, 1, 2)), "prompts": (8, 1),
     "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
     "branches": ((2, 3), (2,)), "lookup_depths": ((4, 8), (2,)),
+    "engine_depths": ((3, 8), (2,)),
 }
+# Steps the CPU path lists but does not run: why (printed, and in the JSON as "skipped").
+CPU_SKIPPED = {"bench_engines_vllm": (
+    "skipped on the CPU path: 48 s for 1 prompt x 6 tokens on 2 cores (2026-12-07), 27 s of it "
+    "starting vLLM's CPU engines; run the command above to check it here")}
 # --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
 # held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
 QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
@@ -49,7 +58,7 @@ QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
 # of which Ray and model start-up is most).
 QUICK = {"samples": 64, "max_length": 256, "max_steps": 10, "depths": (0, 2, 4, 8), "prompts": 2,
          "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,),
-         "lookup_depths": (4,)}
+         "lookup_depths": (4,), "engine_depths": (2, 4)}
 
 
 def step_dir(work: str, name: str) -> str:
@@ -103,7 +112,18 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
         steps.append(("extract_vllm", _extract(cuda, gpus, step_dir(work, "extract_vllm"),
                                                size("samples"), size("max_length"))
                       + ["--engine", "vllm"], None))
+        steps.append(("bench_engines_vllm", _bench_engines(cuda, drafter, work, size),
+                      "train_ddp"))
     return steps + (quality_commands(cuda, gpus, work, quality_minutes) if quality_minutes else [])
+
+
+def _bench_engines(cuda: bool, drafter: str, work: str, size) -> list[str]:
+    """`eagle3-ray bench engines`: the drafter served by vLLM and by the builtin decoder, on one
+    GPU with CUDA (bench engines picks it where torch sees CUDA; --gpus 1 says so)."""
+    argv = ["bench", "engines", "--drafter", drafter, "--samples", str(size("prompts")),
+            "--max-tokens", str(size("max_tokens")), "--depths", *map(str, size("engine_depths")),
+            "--out", step_dir(work, "bench_engines_vllm")]
+    return argv + (["--gpus", "1"] if cuda else [])
 
 
 def vllm_available() -> bool:
@@ -167,6 +187,8 @@ def figures(name: str, work: str) -> dict:
                 "skipped": s["skipped"]}
     if name == "quality_serve":
         return served_figures(os.path.join(out, "serve.json"))
+    if name == "bench_engines_vllm":
+        return engines_figures(os.path.join(out, "engines.json"))
     if name in ("train_ddp", "train_fsdp", "quality_train"):
         hist = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
         last, meta = hist[-1], json.load(open(os.path.join(out, "drafter", "meta.json")))
@@ -211,6 +233,21 @@ def served_figures(path: str) -> dict:
             "all_identical": r["all_identical"]}
 
 
+def engines_figures(path: str) -> dict:
+    """bench engines' figures per engine: tau (tokens per verify round), tokens/s and outputs
+    identical to its depth 0 (prompts), by depth; per depth, the prompts both engines decoded
+    alike and the positions whose acceptance differs by > 2 SE."""
+    r = json.load(open(path))
+    keys = {"tau": "tokens_per_round", "tokens_per_s": "tokens_per_s",
+            "identical_to_depth0": "identical_to_depth0"}
+    return {"dtype": r["dtype"], "device": r.get("device"), "prompts": r["prompts"],
+            "max_tokens": r["max_tokens"], "vllm_startup_s": r["vllm_startup_s"],
+            **{e: {k: {d: x[key] for d, x in rows.items()} for k, key in keys.items()}
+               for e, rows in r["runs"].items()},
+            "engines_identical": {d: c["identical_prompts"] for d, c in r["compare"].items()},
+            "flagged_positions": {d: c["flagged_positions"] for d, c in r["compare"].items()}}
+
+
 def gloo_allreduce_curve() -> dict:
     """The NCCL curve's code path with gloo between 2 CPU processes (no CUDA here)."""
     from eagle3_ray.plan import planner
@@ -252,6 +289,10 @@ def run_check(out: str = "runs/gpu_check.json", work: str = "runs/gpu_check",
             step.update(ok=False, skipped=f"{needs} failed")
             continue
         print(f"[gpu_check] {name}: {step['command']}", flush=True)
+        if not cuda and name in CPU_SKIPPED:
+            step.update(ok=True, skipped=CPU_SKIPPED[name])
+            print(f"[gpu_check] {name}: {CPU_SKIPPED[name]}", flush=True)
+            continue
         t0 = time.perf_counter()
         rc = cli.main(argv)
         step.update(ok=rc == 0, rc=rc, wall_s=round(time.perf_counter() - t0, 2))

@@ -22,12 +22,20 @@ def parsed(argv, monkeypatch):
 
 
 def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
+    """No GPU here: commands(cuda=True, 4 GPUs) are only built and parsed, nothing runs; the
+    vLLM environment is taken as built (vllm_available mocked)."""
+    monkeypatch.setattr(gpu_check, "vllm_available", lambda: True)
     steps = {n: (argv, needs) for n, argv, needs in gpu_check.commands(True, 4, str(tmp_path))}
-    vllm = ["extract_vllm"] if gpu_check.vllm_available() else []  # .venv-vllm built
-    assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile", *vllm]
-    if vllm:
-        e = cli.extract_config(parsed(steps["extract_vllm"][0], monkeypatch)[1])
-        assert (e.engine, e.replicas, e.gpus_per_replica, e.sample_limit) == ("vllm", 4, 1, 300)
+    assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
+                           "extract_vllm", "bench_engines_vllm"]
+    e = cli.extract_config(parsed(steps["extract_vllm"][0], monkeypatch)[1])
+    assert (e.engine, e.replicas, e.gpus_per_replica, e.sample_limit) == ("vllm", 4, 1, 300)
+    fn, a = parsed(steps["bench_engines_vllm"][0], monkeypatch)   # vLLM vs builtin, one GPU
+    assert fn is cli.cmd_bench and a.what == "engines" and steps["bench_engines_vllm"][1] == \
+        "train_ddp"
+    assert (a.samples, a.max_tokens, a.depths, a.gpus) == (8, 64, [3, 8], 1)
+    assert a.drafter == str(tmp_path / "train-ddp" / "drafter")
+    assert a.out == str(tmp_path / "bench-engines-vllm")
     fn, a = parsed(steps["extract"][0], monkeypatch)
     e = cli.extract_config(a)
     assert fn is cli.cmd_extract and e.inputs == ["embedded:sharegpt"]
@@ -52,6 +60,8 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     assert cli.train_config(parsed(quick["train_ddp"], monkeypatch)[1]).max_steps == 10
     assert parsed(quick["bench_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
     assert parsed(quick["bench_serve"], monkeypatch)[1].lookup_depths == [4]
+    a = parsed(quick["bench_engines_vllm"], monkeypatch)[1]
+    assert (a.samples, a.max_tokens, a.depths, a.gpus) == (2, 32, [2, 4], 1)
     long = {n: argv for n, argv, _ in gpu_check.commands(True, 1, str(tmp_path),
                                                           quality_minutes=4)}
     t = cli.train_config(parsed(long["quality_train"], monkeypatch)[1])
@@ -61,6 +71,38 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     assert parsed(long["quality_serve"], monkeypatch)[1].depths == [0, 2, 4, 8]
     cpu = gpu_check.commands(False, 0, str(tmp_path))
     assert cpu == gpu_check.commands(False, 0, str(tmp_path), quick=True)   # CUDA sizes only
+    a = parsed(dict((n, argv) for n, argv, _ in cpu)["bench_engines_vllm"], monkeypatch)[1]
+    assert (a.samples, a.max_tokens, a.depths, a.gpus) == (1, 6, [2], 0)   # CPU: tiny
+    monkeypatch.setattr(gpu_check, "vllm_available", lambda: False)      # no .venv-vllm
+    assert not {"extract_vllm", "bench_engines_vllm"} & {
+        n for n, _, _ in gpu_check.commands(True, 4, str(tmp_path))}
+
+
+def test_bench_engines_figures_per_engine_and_depth(tmp_path):
+    """What the JSON keeps of bench engines' engines.json (the step runs on CUDA only)."""
+    from eagle3_ray.bench import engines
+
+    def totals(outputs, depth, accepted_at, wall):
+        t = engines._totals(2)
+        t.update(tokens=sum(map(len, outputs)), wall_s=wall, outputs=outputs,
+                 rounds=4, drafted=4 * depth, accepted=sum(accepted_at[:depth]),
+                 drafted_at=[4, 4] if depth else [0, 0], accepted_at=accepted_at)
+        return t
+    same, other = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 7]]
+    runs = {"builtin": {0: totals(same, 0, [0, 0], 2.0), 2: totals(same, 2, [3, 2], 1.0)},
+            "vllm": {0: totals(same, 0, [0, 0], 1.0), 2: totals(other, 2, [2, 1], 0.5)}}
+    out = tmp_path / "bench-engines-vllm"
+    out.mkdir()
+    (out / "engines.json").write_text(json.dumps(
+        {"dtype": "bfloat16", "device": "NVIDIA H100 80GB HBM3", "prompts": 2, "max_tokens": 3,
+         "vllm_startup_s": 40.0, **engines.summarize(runs, (0, 2), prompts=2)}))
+    f = gpu_check.figures("bench_engines_vllm", str(tmp_path))
+    assert f["builtin"]["tau"] == {"0": 1.0, "2": (5 + 4) / 4}
+    assert f["vllm"]["tokens_per_s"] == {"0": 6.0, "2": 12.0}
+    assert f["builtin"]["identical_to_depth0"] == {"0": 2, "2": 2}
+    assert f["vllm"]["identical_to_depth0"] == {"0": 2, "2": 1}
+    assert f["engines_identical"] == {"0": 2, "2": 1} and f["flagged_positions"]["2"] == []
+    assert (f["device"], f["dtype"], f["prompts"]) == ("NVIDIA H100 80GB HBM3", "bfloat16", 2)
 
 
 @pytest.mark.slow
@@ -76,15 +118,20 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     g = json.load(open(out))
     assert g["mode"] == "cpu" and g["ok"] and not g["machine"]["cuda"]
     s = g["steps"]
-    vllm = {"extract_vllm"} if gpu_check.vllm_available() else set()   # .venv-vllm built
+    vllm = ({"extract_vllm", "bench_engines_vllm"} if gpu_check.vllm_available()
+            else set())                                          # .venv-vllm built
     assert set(s) == {"extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
                       "quality_extract", "quality_train", "quality_serve", "allreduce_gloo", *vllm}
     assert all(x["ok"] for x in s.values())
     assert all(s[n]["command"].startswith("eagle3-ray ") for n in s if n != "allreduce_gloo")
-    f = {n: x["figures"] for n, x in s.items()}
+    f = {n: x["figures"] for n, x in s.items() if "skipped" not in x}
     assert f["extract"]["samples"] > 0 and f["extract"]["dtype"] == "bfloat16"
     if vllm:                                  # the same conversations through the vLLM engine
         assert f["extract_vllm"]["samples"] == f["extract"]["samples"]
+        b = s["bench_engines_vllm"]           # listed, not run on CPU (48 s): said why
+        assert b["skipped"].startswith("skipped on the CPU path") and "figures" not in b
+        assert b["command"].startswith("eagle3-ray bench engines --drafter ")
+        assert "bench_engines_vllm: skipped on the CPU path" in r.stdout
     e = f["extract"]                          # the actors' batch time is inside the wall time
     assert 0 < e["actor_batch_s"] < e["wall_s"] and e["tokens_per_actor_s"] > e["tokens_per_s"]
     for n, parallel in (("train_ddp", "ddp"), ("train_fsdp", "fsdp")):

@@ -4,20 +4,28 @@ held-out prompts (bench serve's, data.heldout_prompts), greedy, batch 1, in two 
   builtin  the server's decoder (speculate.Speculator, lookup fallback off: the pure drafter),
            in this process, at depth 0 and each depth;
   vllm     vllm.LLM with speculative_config {"method": "eagle3", "model": <the drafter's vLLM
-           export>, "num_speculative_tokens": d}, one engine per depth (and depth 0 without
-           speculation), each held by a Ray actor in vLLM's environment (engine.vllm.
-           runtime_env); per-position acceptance from vLLM's spec-decode counters.
+           export>, "num_speculative_tokens": d} (+ "parallel_drafting": true where the export
+           is a P-EAGLE drafter: serve.vllm.eagle3_speculative_config), one engine per depth
+           (and depth 0 without speculation), each held by a Ray actor in vLLM's environment
+           (engine.vllm.runtime_env); per-position acceptance from vLLM's spec-decode counters.
+
+Where torch sees CUDA (or gpus=1) both run on one GPU: the builtin verifier on it in this
+process, the vLLM actors each on a 1/arms share of it (Ray num_gpus) with vLLM's CUDA defaults
+(CUDA graphs, torch.compile) and VLLM_GPU_SHARE / arms of its memory (gpu_memory_utilization;
+all arms live for the whole bench), started one after another. Sized for small verifiers (the
+embedded default): every arm holds a copy of the verifier. Without CUDA: the CPU engines.
 
 Both see the same chat-templated token ids (vLLM gets prompt_token_ids) and the same dtype
-(engine.vllm.engine_dtype: bf16 where the CPU multiplies bf16 natively, else fp32). Every arm
-runs every prompt, in an order rotating per prompt (bench serve's interleaving, so machine drift
-hits the arms alike), after one warm-up prompt; only the generate calls are timed. Next to them
-the teacher-forced estimate from the drafter's meta.json (final_metrics eval/cond_acc_k, eval/p_k:
-the held-out split of its own training data). Reported per depth and engine: per-position
-acceptance (unconditional p_k = P(drafts 1..k+1 accepted), conditional a_k), tokens per verify
-round, tokens/s, speedup over the engine's own depth 0, outputs identical to depth 0 and between
-engines (prompts), the binomial standard error of each position, and the positions where the
-engines differ by more than 2 standard errors of the difference.
+(engine.vllm.engine_dtype: bf16 on GPUs and where the CPU multiplies bf16 natively, else fp32).
+Every arm runs every prompt, in an order rotating per prompt (bench serve's interleaving, so
+machine drift hits the arms alike), after one warm-up prompt; only the generate calls are timed.
+Next to them the teacher-forced estimate from the drafter's meta.json (final_metrics
+eval/cond_acc_k, eval/p_k: the held-out split of its own training data). Reported per depth and
+engine: per-position acceptance (unconditional p_k = P(drafts 1..k+1 accepted), conditional
+a_k), tokens per verify round, tokens/s, speedup over the engine's own depth 0, outputs
+identical to depth 0 and between engines (prompts), the binomial standard error of each
+position, and the positions where the engines differ by more than 2 standard errors of the
+difference.
 Writes <out>/engines.json + engines.png.
 
     eagle3-ray bench engines --drafter runs/demo_bf16/train/drafter --samples 4 --max-tokens 32 \\
@@ -30,22 +38,22 @@ import os
 import time
 
 ENGINE_DEPTHS = (3, 8)
+VLLM_GPU_SHARE = 0.5    # of the GPU's memory, for all vLLM arms together (the rest: the builtin)
 PAUSE_S = 0.25          # between arms, untimed: the previous arm's OpenMP threads stop spinning
 ENGINES = ("builtin", "vllm")
 
 
 class VllmArm:
-    """One vllm.LLM (the embedded verifier, with the drafter's export at `depth` > 0), in vLLM's
-    environment. generate() decodes one prompt greedily and returns its tokens, wall time and
-    the spec-decode counters it added (vLLM's Prometheus counters, read before and after)."""
+    """One vllm.LLM (the embedded verifier, speculating with `spec`, the speculative_config of
+    the drafter's export, or None: depth 0), in vLLM's environment. generate() decodes one
+    prompt greedily and returns its tokens, wall time and the spec-decode counters it added
+    (vLLM's Prometheus counters, read before and after)."""
 
-    def __init__(self, model: str, export: str | None, depth: int, engine_args: dict):
+    def __init__(self, model: str, spec: dict | None, engine_args: dict):
         t0 = time.perf_counter()
         import vllm
         from vllm import LLM
-        spec = ({"method": "eagle3", "model": export, "num_speculative_tokens": int(depth)}
-                if depth else None)
-        self.depth = int(depth)
+        self.depth = int(spec["num_speculative_tokens"]) if spec else 0
         self.llm = LLM(model=model, tokenizer=model, speculative_config=spec,
                        enable_prefix_caching=False, disable_log_stats=False, seed=0,
                        **engine_args)
@@ -202,30 +210,68 @@ def teacher_forced(meta: dict) -> dict:
 
 # --- the bench ---------------------------------------------------------------------------------
 
-def _start_vllm(model: str, export: str, depths, max_model_len: int, dtype: str,
-                threads: int) -> tuple[dict, dict]:
-    """({depth: a VllmArm actor}, {depth: its info()}): the engines in vLLM's environment,
-    started together; waits until all are ready."""
-    import ray
+def arm_specs(export: str, depths) -> dict:
+    """{depth: the speculative_config of the vLLM arm at that depth (None at depth 0)}: eagle3
+    with the drafter's export, parallel drafting where the export is a P-EAGLE drafter."""
+    from eagle3_ray.serve.vllm import eagle3_speculative_config
+    return {d: eagle3_speculative_config(export, d) if d else None for d in depths}
+
+
+def vllm_setup(arms: int, gpus: int, dtype: str, max_model_len: int,
+               threads: int) -> tuple[dict, dict]:
+    """(vLLM engine arguments, Ray actor options) of each of `arms` VllmArm actors, which live
+    side by side for the whole bench. CPU: engine.vllm's CPU sizing (eager on small hosts, KV
+    space split over the arms), `threads` OpenMP threads each. CUDA (gpus 1): vLLM's CUDA
+    defaults (CUDA graphs, torch.compile) in `dtype`, every arm on a 1/arms share of one GPU
+    and VLLM_GPU_SHARE / arms of its memory, the rest left to the builtin verifier."""
     from eagle3_ray.engine import vllm as engine
-    kwargs = engine.engine_kwargs(dtype=dtype, max_model_len=max_model_len,
-                                  replicas=len(depths))
+    kwargs = engine.engine_kwargs(dtype=dtype, gpus=1 if gpus else 0,
+                                  max_model_len=max_model_len, replicas=arms)
+    options = {"num_cpus": 0, "runtime_env": engine.runtime_env(threads=threads, gpus=gpus)}
+    if gpus:
+        kwargs["gpu_memory_utilization"] = round(VLLM_GPU_SHARE / arms, 3)
+        options["num_gpus"] = 1 / arms
+    return kwargs, options
+
+
+def _start_vllm(model: str, specs: dict, max_model_len: int, dtype: str, threads: int,
+                gpus: int) -> tuple[dict, dict]:
+    """({depth: a VllmArm actor}, {depth: its info()}): the engines in vLLM's environment,
+    started together on CPU; on a GPU one after another (each sizes its KV cache from the
+    memory it sees free while it starts, and another engine starting beside it would skew
+    that); waits until all are ready."""
+    import ray
+    kwargs, options = vllm_setup(len(specs), gpus, dtype, max_model_len, threads)
     arm = ray.remote(VllmArm)
-    env = engine.runtime_env(threads=threads)
-    actors = {d: arm.options(num_cpus=0, runtime_env=env).remote(
-        model, export if d else None, d, kwargs) for d in depths}
+    actors = {}
+    for d, spec in specs.items():
+        actors[d] = arm.options(**options).remote(model, spec, kwargs)
+        if gpus:
+            ray.get(actors[d].info.remote())
     facts = dict(zip(actors, ray.get([a.info.remote() for a in actors.values()])))
     return actors, facts
 
 
+def cuda_gpus(gpus: int | None) -> int:
+    """The GPUs bench engines runs on: `gpus` (0 or 1) if given, else 1 where torch sees CUDA."""
+    if gpus is None:
+        import torch
+        return 1 if torch.cuda.is_available() else 0
+    if gpus not in (0, 1):
+        raise ValueError(f"bench engines: gpus {gpus}; it runs on the CPU (0) or one GPU (1)")
+    return int(gpus)
+
+
 def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
                   depths=ENGINE_DEPTHS, out_dir: str = "runs/bench", dtype: str | None = None,
-                  spec: str | None = None, threads: int = 2, address: str | None = None) -> dict:
+                  spec: str | None = None, threads: int = 2, address: str | None = None,
+                  gpus: int | None = None) -> dict:
     """The builtin decoder and vLLM with the same drafter at depth 0 and each of `depths`
-    (module docstring). dtype: bf16 | fp32 (default engine.vllm.engine_dtype: bf16 on a CPU
-    with native bf16, else fp32), both engines. threads: each vLLM engine's OpenMP threads.
-    Starts a local Ray (`address` / $RAY_ADDRESS: that cluster's). Writes <out_dir>/engines.json
-    and engines.png; returns the result."""
+    (module docstring). dtype: bf16 | fp32 (default engine.vllm.engine_dtype: bf16 on GPUs and
+    on a CPU with native bf16, else fp32), both engines. threads: each CPU vLLM engine's OpenMP
+    threads. gpus: 1 runs both engines on one GPU, 0 on the CPU (default: 1 where torch sees
+    CUDA). Starts a local Ray (`address` / $RAY_ADDRESS: that cluster's). Writes
+    <out_dir>/engines.json and engines.png; returns the result."""
     import ray
     import torch
     from eagle3_ray.bench import serving
@@ -243,7 +289,8 @@ def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
     if not depths:
         raise ValueError("bench engines: give at least one depth > 0 (depth 0 always runs)")
     arms_depths = (0,) + depths
-    vdtype = engine.engine_dtype(dtype)                     # "bfloat16" | "float32"
+    gpus = cuda_gpus(gpus)
+    vdtype = engine.engine_dtype(dtype, gpus)               # "bfloat16" | "float32"
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     check_unseen(drafter_dir, meta)
     spec = spec or meta["verifier"]
@@ -251,7 +298,7 @@ def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
     export = ensure_vllm_export(SimpleNamespace(drafter=drafter_dir, verifier=model_dir))
     # builtin side, in this process
     tok = verifier.load_tokenizer(spec)
-    model = verifier.load_verifier(spec, dtype=getattr(torch, vdtype))
+    model = verifier.load_verifier(spec, dtype=getattr(torch, vdtype), num_gpus=gpus)
     dec = speculate.Speculator(model, drafter.eval())      # patches `model` (batch invariance)
     eos = list(verifier.eos_ids(model, tok))
     sp = speculate.SamplingParams(max_tokens=max_tokens, eos_ids=tuple(eos))
@@ -261,11 +308,13 @@ def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
     max_len = max(map(len, ps)) + max_tokens + max(depths) + 16
     max_len = max(1024, -(-max_len // 256) * 256)
     t0 = time.perf_counter()
-    actors, facts = _start_vllm(model_dir, export, arms_depths, max_len, vdtype, threads)
+    actors, facts = _start_vllm(model_dir, arm_specs(export, arms_depths), max_len, vdtype,
+                                threads, gpus)
     startup_s = time.perf_counter() - t0
+    device = torch.cuda.get_device_name(0) if gpus else "cpu"
     print(f"[bench engines] {len(actors)} vLLM engines ready in {startup_s:.0f}s "
-          f"(vLLM {facts[0]['vllm']}, {vdtype}); {len(ps)} prompts x {max_tokens} tokens",
-          flush=True)
+          f"(vLLM {facts[0]['vllm']}, {vdtype}, {device}); {len(ps)} prompts x {max_tokens} "
+          "tokens", flush=True)
     width = max(depths)
     runs = {e: {d: _totals(width) for d in arms_depths} for e in ENGINES}
     names = [(e, d) for e in ENGINES for d in arms_depths]
@@ -294,7 +343,8 @@ def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
               "drafter": drafter_dir, "drafter_ttt_steps": meta.get("ttt_steps"),
               "drafter_steps": meta.get("steps"), "vllm_export": export,
               "prompts": len(ps), "max_tokens": max_tokens, "depths": list(depths),
-              "dtype": vdtype, "host": host_flags(), "cpu": cpu_facts(),
+              "dtype": vdtype, "gpus": gpus, "device": device, "host": host_flags(),
+              "cpu": cpu_facts(),
               "torch_threads": torch.get_num_threads(), "vllm_threads": threads,
               "vllm": {str(d): f for d, f in facts.items()}, "vllm_startup_s": startup_s,
               "builtin_exact": dec.exact, "teacher_forced": teacher_forced(meta)}

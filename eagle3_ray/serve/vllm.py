@@ -39,7 +39,8 @@ Mapping (Ray 2.60, read in ray/llm/_internal/serve/..., no code taken):
     other key): engine.vllm.engine_kwargs (dtype: cfg.dtype, else bf16 on GPUs and CPUs with
     native bf16, fp32 on others; enforce_eager: cfg.eager, else eager on CPU hosts with < 8
     cores; on CPU kv_cache_memory_bytes), tensor_parallel_size, max_model_len,
-    speculative_config.
+    speculative_config (eagle3; with "parallel_drafting": true where the export's config.json
+    says the drafter is a parallel, P-EAGLE, one: vLLM drafts in parallel only when asked).
   - placement_group_config {"bundles": [...], "strategy": "STRICT_PACK"} (LLMConfig field,
     validated by ray/llm/_internal/common/placement.py PlacementGroupConfig; BundleConfig allows
     extra keys for custom resources). GPUs: one {"GPU": 1} bundle per tensor-parallel worker.
@@ -208,18 +209,44 @@ def verifier_source(cfg) -> str:
     return v
 
 
-def speculative_config(cfg, drafter_dir: str | None) -> dict | None:
-    """vLLM's speculative_config for our EAGLE-3 drafter, None without drafter or at depth 0.
+def drafts_in_parallel(export_dir: str) -> bool:
+    """Whether the vLLM export in `export_dir` is a parallel (P-EAGLE) drafter: its config.json
+    says "parallel_drafting": true, and then must name the "mask_token_id" that fills the slots
+    drafted in parallel (vLLM reads it from the draft config; the export's `mask_hidden` weight
+    is the matching hidden state)."""
+    with open(os.path.join(export_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("parallel_drafting") is not True:
+        return False
+    if not isinstance(config.get("mask_token_id"), int):
+        raise ValueError(f"{export_dir}/config.json: parallel_drafting without an integer "
+                         "mask_token_id, which vLLM needs to draft in parallel")
+    return True
+
+
+def eagle3_speculative_config(export_dir: str, depth: int) -> dict:
+    """vLLM's speculative_config for our drafter export at `depth` (> 0) draft tokens.
 
     Key names from vLLM's SpeculativeConfig (vllm/config/speculative.py in
     github:vllm-project/vllm): `method` ("eagle3" is one of its EagleModelTypes), `model` (the
-    draft model / eagle head dir), `num_speculative_tokens` (> 0). `draft_tensor_parallel_size`
-    (1 or the target's TP) is left unset: vLLM then picks it."""
+    draft model / eagle head dir), `num_speculative_tokens` (> 0), `parallel_drafting` (all
+    `depth` drafts in one drafter forward; off unless asked, so it is added where the export is
+    a parallel drafter). `draft_tensor_parallel_size` (1 or the target's TP) is left unset: vLLM
+    then picks it."""
+    spec = {"method": "eagle3", "model": export_dir, "num_speculative_tokens": int(depth)}
+    if drafts_in_parallel(export_dir):
+        spec["parallel_drafting"] = True
+    return spec
+
+
+def speculative_config(cfg, drafter_dir: str | None) -> dict | None:
+    """vLLM's speculative_config for our EAGLE-3 drafter's export `drafter_dir`
+    (eagle3_speculative_config), None without drafter or at depth 0."""
     if cfg.depth < 0:
         raise ValueError(f"depth {cfg.depth}: must be >= 0")
     if not drafter_dir or cfg.depth == 0:
         return None
-    return {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": int(cfg.depth)}
+    return eagle3_speculative_config(drafter_dir, cfg.depth)
 
 
 def placement_group_config(cfg) -> dict:

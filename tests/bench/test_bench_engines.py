@@ -1,6 +1,7 @@
 """bench engines' accounting, without vLLM: per-position acceptance and its standard errors,
 the engine comparison and its 2-SE flag, the teacher-forced figures from meta.json, the JSON
-summary and plot, and the CLI flags."""
+summary and plot, the CLI flags; and the vLLM arms' settings (CPU, and one shared GPU, which is
+absent here: only the arguments are built) and their parallel-drafting speculative_config."""
 import argparse
 import math
 
@@ -75,3 +76,34 @@ def test_cli_takes_bench_engines():
     a = p.parse_args(["engines", "--drafter", "D", "--samples", "4", "--depths", "3",
                       "--dtype", "fp32"])
     assert (a.what, a.drafter, a.samples, a.depths, a.dtype) == ("engines", "D", 4, [3], "fp32")
+
+
+def test_vllm_arms_share_one_gpu_with_cuda_defaults(monkeypatch):
+    """The arms' engine arguments and Ray options, built without a GPU or vLLM: on CUDA each of
+    the 3 arms (depth 0 and two depths, alive together) asks a third of one GPU and a third of
+    VLLM_GPU_SHARE of its memory, bf16, CUDA graphs; on the CPU the sizing is engine.vllm's."""
+    import sys
+    monkeypatch.setenv("EAGLE3_RAY_VLLM_PYTHON", sys.executable)   # the engine env, as named
+    kw, opts = engines.vllm_setup(3, 1, "bfloat16", 1024, threads=2)
+    assert (kw["dtype"], kw["enforce_eager"], kw["tensor_parallel_size"]) == ("bfloat16", False, 1)
+    assert kw["gpu_memory_utilization"] == round(engines.VLLM_GPU_SHARE / 3, 3)
+    assert "kv_cache_memory_bytes" not in kw and kw["max_model_len"] == 1024
+    assert opts["num_gpus"] == pytest.approx(1 / 3) and opts["num_cpus"] == 0
+    assert "OMP_NUM_THREADS" not in opts["runtime_env"]["env_vars"]
+    kw, opts = engines.vllm_setup(3, 0, "float32", 1024, threads=2)
+    assert "num_gpus" not in opts and "gpu_memory_utilization" not in kw
+    assert kw["kv_cache_memory_bytes"] > 0 and kw["dtype"] == "float32"
+    assert opts["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+    assert engines.cuda_gpus(0) == 0 and engines.cuda_gpus(1) == 1
+    with pytest.raises(ValueError, match="one GPU"):
+        engines.cuda_gpus(2)
+
+
+def test_arms_ask_vllm_for_parallel_drafting_of_a_parallel_export(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"parallel_drafting": True,
+                                                      "mask_token_id": 7}))
+    specs = engines.arm_specs(str(tmp_path), (0, 2, 4))
+    assert specs[0] is None
+    assert specs[4] == {"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 4,
+                        "parallel_drafting": True}

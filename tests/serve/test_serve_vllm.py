@@ -253,6 +253,37 @@ def test_plain_decoding_and_small_replicas(verifier_dir, engine_python):
     assert "speculative_config" not in serve_vllm.llm_config(cfg, "/some/export")["engine_kwargs"]
 
 
+def write_export_config(directory, **fields) -> str:
+    """An export directory holding only a config.json (what the P-EAGLE check reads)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLMEagle3"], **fields}, f)
+    return str(directory)
+
+
+def test_a_parallel_drafter_export_asks_vllm_for_parallel_drafting(tmp_path, verifier_dir,
+                                                                   engine_python):
+    """A P-EAGLE export's config.json carries parallel_drafting and mask_token_id: vLLM drafts
+    in parallel only when speculative_config asks too, so ours does; a plain export does not."""
+    plain = write_export_config(tmp_path / "plain")
+    parallel = write_export_config(tmp_path / "parallel", parallel_drafting=True,
+                                   mask_token_id=99)
+    assert not serve_vllm.drafts_in_parallel(plain)
+    assert serve_vllm.drafts_in_parallel(parallel)
+    assert serve_vllm.eagle3_speculative_config(parallel, 4) == {
+        "method": "eagle3", "model": parallel, "num_speculative_tokens": 4,
+        "parallel_drafting": True}
+    assert "parallel_drafting" not in serve_vllm.eagle3_speculative_config(plain, 4)
+    cfg = make_cfg(verifier=verifier_dir, depth=6)
+    spec = serve_vllm.llm_config(cfg, parallel)["engine_kwargs"]["speculative_config"]
+    assert spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == 6
+    off = write_export_config(tmp_path / "off", parallel_drafting=False, mask_token_id=1)
+    assert not serve_vllm.drafts_in_parallel(off)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        serve_vllm.drafts_in_parallel(write_export_config(tmp_path / "bad",
+                                                          parallel_drafting=True))
+
+
 def test_clear_errors(verifier_dir, drafter_dir, engine_python):
     with pytest.raises(ValueError, match="api_key.*builtin"):
         serve_vllm.llm_config(make_cfg(verifier=verifier_dir, api_key="sk-x"), None)
