@@ -13,6 +13,7 @@
     eagle3-ray plan --acceptance runs/bench/quality.json --profile pcie-8x-rtx-pro-6000-kimi-k2.5
     eagle3-ray plan --sweep 0.6 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
         --compare pcie-8x-rtx-pro-6000-kimi-k2.5-allreduce-curve   # best depth: alpha/beta vs curve
+    eagle3-ray plan --sweep-kinds 0.5 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5  # chain/parallel
 """
 from __future__ import annotations
 
@@ -107,6 +108,16 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="depth curriculum: grow the unroll 1 -> ttt_steps over this share of training")
     p.add_argument("--deep-fraction", type=float, default=d["deep_fraction"],
                    help="run the TTT steps past 0 on this random share of positions (cheaper)")
+    p.add_argument("--cod-ratio", type=float, default=d["cod_ratio"],
+                   help="COD sampling: each deep step keeps this share of the step before's "
+                        "positions (P-EAGLE: 0.7; 1 = off)")
+    p.add_argument("--cod-min", type=float, default=d["cod_min"],
+                   help="COD floor: a deep step's share never drops below this (P-EAGLE: 0.2)")
+    p.add_argument("--drafting", choices=("chain", "parallel"), default=d["drafting"],
+                   help="chain: EAGLE-3 (one drafter forward per draft); parallel: P-EAGLE "
+                        "(all drafts of a round from one forward, via mask slots)")
+    p.add_argument("--mask-token-id", type=int, default=d["mask_token_id"],
+                   help="parallel: the mask slots' token id (default: vocab size - 1)")
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
     p.add_argument("--targets", choices=("soft", "hard"), default=d["targets"],
                    help="loss target: the teacher's distribution or its argmax")
@@ -275,11 +286,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "--samples; regeneration costs ~30x a plain extraction on CPU)")
     p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best); engines: "
                    "the drafter (required)")
+    p.add_argument("--with-parallel", action="store_true", help="train: also time a parallel "
+                   "(P-EAGLE) drafter at each ttt_steps >= 2, beside the chain")
+    p.add_argument("--parallel-drafter", help="serve: a parallel (P-EAGLE) drafter dir: arms "
+                   "parallel{d} at each depth, in the same interleaved run")
     p.add_argument("--max-tokens", type=int, default=64, help="serve, engines: tokens per prompt")
     p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
                    "profile's all-reduce time in every verify (a SIMULATED interconnect)")
     p.add_argument("--no-dynamic", action="store_true", help="serve: skip the dynamic-depth run")
-    p.add_argument("--gpus", type=int, default=0, help="serve: GPUs for the verifier (0: CPU)")
+    p.add_argument("--gpus", type=int, default=0, help="serve: GPUs for the verifier (0: CPU); "
+                   "engines: 1 = both engines on one GPU (default: where torch sees CUDA)")
     p.add_argument("--depths", type=int, nargs="+", help="serve: fixed depths to run, 0 "
                    "included (default: 0 1 2 3 4 6 8 12 16); engines: depths besides 0 "
                    "(default: 3 8)")
@@ -345,7 +361,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def cmd_bench(a):
     from eagle3_ray.bench import stages as bench
     if a.what == "train":  # pure PyTorch, no Ray
-        bench.bench_train(out_dir=a.out)
+        bench.bench_train(out_dir=a.out, parallel=a.with_parallel)
         return
     if a.what == "serve":  # the server's decoder in-process, no Ray
         from eagle3_ray.bench.serving import bench_serve
@@ -355,6 +371,7 @@ def cmd_bench(a):
                     num_gpus=a.gpus, branches=tuple(a.branches),
                     lookup_depths=tuple(a.lookup_depths),
                     lookup_branches=tuple(a.lookup_branches),
+                    parallel_drafter=a.parallel_drafter,
                     **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "engines":  # builtin decoder in-process, vLLM in Ray actors (its own env)
@@ -362,7 +379,7 @@ def cmd_bench(a):
         if not a.drafter:
             raise SystemExit("bench engines needs --drafter DIR")
         bench_engines(a.drafter, prompts=a.samples or 12, max_tokens=a.max_tokens,
-                      out_dir=a.out, dtype=a.dtype, address=a.address,
+                      out_dir=a.out, dtype=a.dtype, address=a.address, gpus=a.gpus or None,
                       **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray
@@ -427,34 +444,81 @@ def cmd_profile(a):
     from eagle3_ray.plan import planner
     from eagle3_ray.serve import profile
     prof = profile.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
-                                   context=a.context, reps=a.reps, name=a.name)
+                                   context=a.context, reps=a.reps, name=a.name,
+                                   parallel_ks=a.parallel_k,
+                                   draft_collectives=a.draft_collectives)
     planner.save_profile(prof, a.out)
     ms = prof.verify_ms
     print(f"[profile] verify {ms[1]:.2f} ms (1 token) .. {ms[max(ms)]:.2f} ms ({max(ms)} tokens), "
           f"draft step {prof.draft_step_ms:.2f} ms, {prof.gpus} GPU(s) -> {a.out}")
+    if prof.draft_parallel_ms:
+        print("[profile] drafter forward of k tokens: " + ", ".join(
+            f"k={k} {v:.2f} ms" for k, v in prof.draft_parallel_ms.items())
+            + f"; {prof.draft_collectives} collectives per drafter forward")
     if prof.interconnect.allreduce_us:
         print(f"[profile] all-reduce {planner.allreduce_model(prof)}")
+
+
+def plan_acceptances(a) -> dict:
+    """--acceptance / --parallel-acceptance -> {kind: (cond_acc, known, description)}. A drafter
+    or run dir says its own kind (draft_config.drafting; older ones are chains); any other
+    source is the kind of the flag that gave it."""
+    from eagle3_ray.plan import planner
+    out = {}
+    for src, flag_kind, flag in ((a.acceptance, "chain", "--acceptance"),
+                                 (a.parallel_acceptance, "parallel", "--parallel-acceptance")):
+        if not src:
+            continue
+        kind = planner.drafting_of(src) or flag_kind
+        if flag == "--parallel-acceptance" and kind != "parallel":
+            raise ValueError(f"--parallel-acceptance {src}: a {kind} drafter (its draft_config "
+                             f"says drafting={kind!r}); pass it as --acceptance")
+        if kind in out:
+            raise ValueError(f"two {kind} acceptance sources ({flag} {src} and the other flag): "
+                             f"give one chain and one parallel drafter")
+        cond, known, desc = planner.acceptance_from(src, a.ttt)
+        out[kind] = (cond, known, desc)
+    return out
 
 
 def cmd_plan(a):
     import json
     from eagle3_ray.plan import planner
+    if (a.sweep or a.sweep_kinds) and a.parallel_acceptance:
+        raise ValueError("--parallel-acceptance plans a measured drafter; --sweep and "
+                         "--sweep-kinds take acceptance levels instead")
     if a.sweep:
         return plan_sweep(a)
-    cond, known, desc = planner.acceptance_from(a.acceptance, a.ttt)
+    if a.sweep_kinds:
+        return plan_sweep_kinds(a)
+    if not a.acceptance and not a.parallel_acceptance:
+        raise ValueError("plan needs --acceptance and/or --parallel-acceptance (or --sweep, "
+                         "--sweep-kinds)")
+    sources = plan_acceptances(a)
     costs = planner.train_costs_from(a.bench_train) if a.bench_train else None
-    result = planner.plan(cond, planner.load_profile(a.profile), a.max_depth, known, costs)
-    result["acceptance"]["source"] = desc
+    profile = planner.load_profile(a.profile)
+    chosen = planner.choose_drafting(profile, sources, a.max_depth, costs)
+    kind = chosen["choice"]
+    result = chosen["plans"][kind]
+    cond, known, desc = sources[kind]
+    other_kind = next((r for k, r in {**chosen["plans"], **chosen["what_if"]}.items()
+                       if k != kind), None)                 # the other kind, or its what-if
+    result["drafting_choice"] = {"choice": kind, "why": chosen["why"], "kinds": chosen["kinds"],
+                                 "what_if": {k: planner.kind_summary(v)
+                                             for k, v in chosen["what_if"].items()}}
+    result["other_kind"] = other_kind
     other = None
     if a.compare:
-        other = planner.plan(cond, planner.load_profile(a.compare), a.max_depth, known, costs)
+        other = planner.plan(cond, planner.load_profile(a.compare), a.max_depth, known, costs,
+                             drafting=kind)
         result["compare"] = other
         result["comparison"] = planner.compare_text(result, other)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "plan.json"), "w") as f:
         json.dump(result, f, indent=2)
-    planner.plot_plan(result, os.path.join(a.out, "plan.png"), other)
-    print(f"[plan] acceptance: {desc}; measured positions 0..{known - 1}")
+    planner.plot_plan(result, os.path.join(a.out, "plan.png"), other, other_kind)
+    for k, (_, kn, d) in sources.items():
+        print(f"[plan] {k} acceptance: {d}; measured positions 0..{kn - 1}")
     print(planner.format_table(result, other))
     for r in [result] + ([other] if other else []):
         print(f"[plan] {r['profile']}: best depth {r['best_depth']} "
@@ -465,9 +529,31 @@ def cmd_plan(a):
         for w in r["warnings"]:
             print(f"[plan] warning: {w}")
     print(f"[plan] why: {result['why']}")
+    print(f"[plan] drafting: {chosen['why']}")
     if other:
         print(f"[plan] {result['comparison']}")
     print(f"[plan] -> {a.out}/plan.json, {a.out}/plan.png")
+
+
+def plan_sweep_kinds(a):
+    """plan --sweep-kinds: chain against parallel drafting per acceptance level, with the
+    drafter's collectives on and off, on --profile (and --compare)."""
+    import json
+    from eagle3_ray.plan import planner
+    profiles = [planner.load_profile(a.profile)]
+    if a.compare:
+        profiles.append(planner.load_profile(a.compare))
+    first, rest = a.parallel_ratios or (planner.PARALLEL_FIRST_RATIO,
+                                        planner.PARALLEL_REST_RATIO)
+    result = planner.sweep_drafting(a.sweep_kinds, profiles, a.max_depth, first, rest)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "sweep_kinds.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    pa = result["parallel_acceptance"]
+    print(f"[plan] parallel acceptance: {pa['rule']}, first = {pa['first_ratio']:.3f}, "
+          f"rest = {pa['rest_ratio']:.3f}")
+    print(planner.format_sweep_drafting(result))
+    print(f"[plan] -> {a.out}/sweep_kinds.json")
 
 
 def plan_sweep(a):
@@ -554,16 +640,34 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
     f.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     f.add_argument("--name", help="profile name (default: measured-<host>)")
+    f.add_argument("--parallel-k", type=int, nargs="*", default=[1, 2, 4, 8, 16], metavar="K",
+                   help="time a drafter forward of K query tokens (a parallel round) for each "
+                        "K -> draft_parallel_ms (none given: not measured)")
+    f.add_argument("--draft-collectives", type=int, metavar="C",
+                   help="collectives per drafter forward (default: 0 on one device, "
+                        "4 with several: the drafter at the verifier's tensor-parallel degree)")
     f.set_defaults(fn=cmd_profile)
 
-    n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node (JSON + PNG)")
-    src = n.add_mutually_exclusive_group(required=True)
+    n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node, chain or "
+                                    "parallel drafting (JSON + PNG)")
+    src = n.add_mutually_exclusive_group()
     src.add_argument("--acceptance",
                      help="training run dir, bench quality/serve JSON, http(s) URL of a server, "
-                          "or a list like 0.8,0.75,0.7")
+                          "or a list like 0.8,0.75,0.7: a chain drafter's acceptance (a drafter "
+                          "dir whose draft_config says drafting=parallel: a parallel one's)")
     src.add_argument("--sweep", type=float, nargs="+", metavar="A",
                      help="instead: best depth for each constant acceptance level A on "
                           "--profile (and --compare) -> a table + sweep.json")
+    src.add_argument("--sweep-kinds", type=float, nargs="+", metavar="A",
+                     help="instead: chain (a at every position) against parallel drafting "
+                          "(--parallel-ratios of it) for each level A, the drafter's "
+                          "collectives on and off -> a table + sweep_kinds.json")
+    n.add_argument("--parallel-acceptance",
+                   help="a parallel (P-EAGLE) drafter's acceptance, the same forms as "
+                        "--acceptance: plan chooses chain or parallel")
+    n.add_argument("--parallel-ratios", type=float, nargs=2, metavar=("FIRST", "REST"),
+                   help="--sweep-kinds: parallel a_0 = FIRST x chain a_0, a_j = REST x chain "
+                        "a_j (default 63/71, (38/63)/(49/71): vLLM PR #32628's P0/P1)")
     n.add_argument("--profile", required=True, help="packaged profile name or YAML path")
     n.add_argument("--compare", help="a second profile, planned alongside")
     n.add_argument("--max-depth", type=int, default=32)

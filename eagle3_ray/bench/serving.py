@@ -10,6 +10,7 @@ without training) are arms of the same interleaved run (hf_generate; --no-peers 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -97,7 +98,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 simulate: str | None = None, dynamic: bool = True, peers: bool = True,
                 prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0,
                 branches=SERVE_BRANCHES, lookup_depths=SERVE_LOOKUP_DEPTHS,
-                lookup_branches=SERVE_LOOKUP_BRANCHES) -> dict:
+                lookup_branches=SERVE_LOOKUP_BRANCHES,
+                parallel_drafter: str | None = None) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (profile.
@@ -118,11 +120,14 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     k in `prompt_lookup` (hf_generate), on a second, unpatched copy of the verifier, as arms of
     the same interleaved run -> result["peers"] (not simulated: no interconnect sleep).
     num_gpus: the verifier's GPUs (0: CPU; the GPU check runs this on one GPU).
+    parallel_drafter: a parallel (P-EAGLE) drafter's dir: arms "parallel{d}" for each fixed
+    depth d > 0, the same verifier drafting with it (one drafter forward per round), in the
+    same interleaved run; its teacher-forced acceptance goes beside the served one.
     Writes <out_dir>/serve.json + serve.png (serve-sim-<profile>.* when simulating)."""
     import functools
     from eagle3_ray.plan import planner
     from eagle3_ray.serve import speculate
-    from eagle3_ray.serve.profile import measure_speculator
+    from eagle3_ray.serve.profile import measure_draft_parallel, measure_speculator
     from eagle3_ray.train.checkpoint import load_trained_drafter
     if threads:
         torch.set_num_threads(threads)
@@ -135,6 +140,15 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec, num_gpus=num_gpus)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())    # patches `model` (batch invariance)
+    decoders, parallels, pmeta = {}, {}, {}              # arm name -> decoder / depth
+    if parallel_drafter:
+        pdrafter, _, pmeta = load_trained_drafter(parallel_drafter, spec)
+        if not pdrafter.config.parallel:
+            raise ValueError(f"{parallel_drafter}: drafting {pdrafter.config.drafting!r}, not "
+                             "a parallel drafter (train one with --drafting parallel)")
+        par = dec.with_drafter(pdrafter.eval())
+        parallels = {f"parallel{d}": d for d in depths if d > 0}
+        decoders = {name: par for name in parallels}
     max_depth = max(depths)
     # the peers run on their own copy: transformers as a user has it (its default attention)
     hf = verifier.load_verifier(spec, dtype=model.dtype, num_gpus=num_gpus) if peers else None
@@ -142,6 +156,9 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     peer_ks.update({f"prompt_lookup_{k}": int(k) for k in (prompt_lookup if peers else ())})
     node = planner.load_profile(simulate) if simulate else None
     before = measure_speculator(dec, max_depth + 1, reps=7)
+    ks = sorted(parallels.values())                       # a parallel round's one forward
+    par_ms = [measure_draft_parallel(decoders[f"parallel{ks[-1]}"].drafter, ks, reps=7)] \
+        if parallels else []
     profile = _measured_profile(model, node, before)      # what dynamic depth plans with
     if node:
         dec.simulated_comm = functools.partial(planner.comm_s, node)
@@ -150,22 +167,33 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     ps = data.heldout_prompts(tok, prompts)
     plans, trees, lookups, refused = _serve_arms(dec, depths, dynamic, branches, lookup_depths,
                                                  lookup_branches)
+    plans.update({name: (d, 1, None) for name, d in parallels.items()})
     runs, peer_runs, calib = _interleave(
         dec, hf, ps, sp, plans, peer_ks,
-        functools.partial(planner.DynamicDepth, profile, prior, max_depth))
+        functools.partial(planner.DynamicDepth, profile, prior, max_depth), decoders)
     # the machine drifts over minutes (shared, turbo): predict with times measured before and
     # after the runs, averaged
     after = measure_speculator(dec, max_depth + 1, reps=7)
+    if parallels:
+        par_ms.append(measure_draft_parallel(decoders[f"parallel{ks[-1]}"].drafter, ks, reps=7))
     result = {"bench": "serve", "verifier": spec, "drafter": drafter_dir,
               "drafter_ttt_steps": meta.get("ttt_steps"), "prompts": len(ps),
               "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
               "dtype": str(model.dtype).replace("torch.", ""),
               "few_row_kernels": {str(k): v for k, v in dec.few_row_kernels.items()},
               "exact": dec.exact, "refused_arms": refused, "simulated_interconnect": simulate}
+    if parallel_drafter:
+        result.update(parallel_drafter=parallel_drafter,
+                      parallel_drafter_ttt_steps=pmeta.get("ttt_steps"),
+                      teacher_forced={"chain": prior, "parallel": planner.acceptance_from(
+                          parallel_drafter)[0]})
+    measured = _measured_profile(model, node, before, after)
+    if par_ms:     # its k-token forward, measured before and after the runs, averaged
+        measured = dataclasses.replace(measured, draft_parallel_ms={
+            k: sum(m[k] for m in par_ms) / len(par_ms) for k in ks})
     result.update(_serve_summary(runs, depths, trees, lookups, len(ps), calib, simulate,
-                                 _measured_profile(model, node, before, after),
-                                 after[0][1] / before[0][1] - 1))
-    _compare_arms(result, trees, lookups, dynamic)
+                                 measured, after[0][1] / before[0][1] - 1, parallels))
+    _compare_arms(result, trees, lookups, dynamic, parallels)
     if peers:
         result["peers"] = _peer_rows(peer_runs, peer_ks, result["runs"][str(depths[0])],
                                      runs[depths[0]]["outputs"], len(ps))
@@ -218,10 +246,13 @@ def _serve_arms(dec, depths, dynamic: bool, branches, lookup_depths, lookup_bran
     return plans, trees, lookups, refused
 
 
-def _interleave(dec, hf, ps: list[list[int]], sp, plans: dict, peer_ks: dict, dynamic_depth):
+def _interleave(dec, hf, ps: list[list[int]], sp, plans: dict, peer_ks: dict, dynamic_depth,
+                decoders: dict | None = None):
     """Every arm on every prompt, in an order rotating per prompt; the first prompt once more
     before, as a warm-up, not counted -> (our arms' totals, the peers' totals, (the drafter's
-    chain probability of drafts 1..k, all k accepted?) of every draft with one)."""
+    chain probability of drafts 1..k, all k accepted?) of every draft with one). decoders:
+    arms decoded by another drafter (their drafts stay out of the calibration)."""
+    decoders = decoders or {}
     width = max(p[0] for p in plans.values() if p[0] != "dynamic")    # positions
     runs = {d: {"tokens": 0, "wall_s": 0.0, "prefill_s": 0.0, "rounds": 0, "accepted": 0,
                 "drafted": 0, "verify_s": 0.0, "draft_s": 0.0, "outputs": [], "lookup_rounds": 0,
@@ -244,12 +275,13 @@ def _interleave(dec, hf, ps: list[list[int]], sp, plans: dict, peer_ks: dict, dy
             depth, branches, lookup = plans[d]
             depth = dynamic_depth() if depth == "dynamic" else depth
             t0, out, rounds = time.perf_counter(), [], []
-            for r in dec.generate(prompt, sp, depth, branches=branches, lookup=lookup):
+            for r in decoders.get(d, dec).generate(prompt, sp, depth, branches=branches,
+                                                   lookup=lookup):
                 out += r.tokens
                 rounds.append(r)
             wall = time.perf_counter() - t0
             if i > 0:
-                _add_run(runs[d], out, rounds, wall, calib)
+                _add_run(runs[d], out, rounds, wall, [] if d in decoders else calib)
         print(f"[bench] serve: prompt {i}/{len(ps)} done", flush=True)
     return runs, peer_runs, calib
 
@@ -277,7 +309,7 @@ def _add_run(s: dict, out: list[int], rounds: list, wall: float, calib: list) ->
 
 
 def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int, calib: list,
-                   simulate: str | None, profile, drift: float) -> dict:
+                   simulate: str | None, profile, drift: float, parallels: dict) -> dict:
     """serve.json from "runs" to "note": each arm's row, and the planner's prediction from the
     acceptance counted here and `profile` against the fixed depths' measurements."""
     from eagle3_ray.plan import planner
@@ -288,7 +320,15 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
         [sum(s["drafted_at"][k] for s in fixed) for k in range(max_depth)],
         [sum(s["accepted_at"][k] for s in fixed) for k in range(max_depth)])
     pred = planner.plan(cond, profile, max_depth=max_depth)
-    rows = {str(d): _arm_row(d, s, runs[depths[0]], prompts, trees, lookups, pred)
+    preds = {"chain": pred}
+    if parallels:     # the parallel drafter's own acceptance and its one-forward rounds
+        par = [runs[name] for name in parallels]
+        cond_par = planner.cond_from_counts(
+            [sum(s["drafted_at"][k] for s in par) for k in range(max_depth)],
+            [sum(s["accepted_at"][k] for s in par) for k in range(max_depth)])
+        preds["parallel"] = planner.plan(cond_par, profile, max_depth=max_depth,
+                                         drafting="parallel")
+    rows = {str(d): _arm_row(d, s, runs[depths[0]], prompts, trees, lookups, preds, parallels)
             for d, s in runs.items()}
     measured = sorted(depths, key=lambda d: -rows[str(d)]["decode_tokens_per_s"])
     chosen = max(depths, key=lambda d: pred["depths"][d]["tokens_per_s"])   # among those run
@@ -302,7 +342,11 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
                                              for d in depths),
                         "cond_acc": cond, "profile": planner.profile_to_dict(profile),
                         "verify_1_token_drift": drift,
-                        "why": pred["why"]},
+                        "why": pred["why"],
+                        **({"parallel": {
+                            "cond_acc": cond_par, "why": preds["parallel"]["why"],
+                            "max_abs_error": max(abs(rows[n]["predicted_error"])
+                                                 for n in parallels)}} if parallels else {})},
             "note": "greedy; one process, the server's decoder (speculate.Speculator) without "
                     "HTTP; depths interleaved per prompt; speedup = tokens/s over depth 0's "
                     "in the same run; acceptance_length = tokens per verify round; "
@@ -313,9 +357,9 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
 
 
 def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
-             pred: dict) -> dict:
+             preds: dict, parallels: dict) -> dict:
     """serve.json "runs"[d]: arm d's totals against depth 0's (`base`), and at a fixed depth the
-    planner's prediction."""
+    planner's prediction (preds: planner.plan results by drafting kind)."""
     decode = (s["tokens"] - prompts) / (s["wall_s"] - s["prefill_s"])  # tokens after the first
     row = {"depth": d, "tokens": s["tokens"], "wall_s": s["wall_s"],
            "tokens_per_s": s["tokens"] / s["wall_s"],
@@ -336,14 +380,18 @@ def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
     elif d in lookups:
         row.update(lookup_rounds=s["lookup_rounds"], lookup_depth=lookups[d])
     elif d != "dynamic":
-        p = pred["depths"][d]
+        kind, depth = ("parallel", parallels[d]) if d in parallels else ("chain", d)
+        p = preds[kind]["depths"][depth]
         row.update(predicted_tokens_per_s=p["tokens_per_s"],
                    predicted_acceptance_length=p["accept_len"],
                    predicted_error=p["tokens_per_s"] / decode - 1)
+        if kind == "parallel":
+            row.update(parallel_depth=depth)
     return row
 
 
-def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool) -> None:
+def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool,
+                  parallels: dict) -> None:
     """The best tree and lookup arms and their notes; with the dynamic arms, each one's decode
     tokens/s over the best fixed depth's (trees, lookups: the arms that ran)."""
     from eagle3_ray.serve import speculate
@@ -357,8 +405,11 @@ def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool) -> No
                        f"fallback (a first draft with drafter probability < {look.below} gives "
                        f"way to the continuation of the latest earlier n-gram of "
                        f"{look.min_n}-{look.max_n} tokens ending the context); lookup_rounds: "
-                       f"rounds that verified the lookup's drafts"}
-    for kind, arms in (("tree", trees), ("lookup", lookups)):
+                       f"rounds that verified the lookup's drafts",
+             "parallel": "parallel{d}: the parallel (P-EAGLE) drafter of --parallel-drafter at "
+                         "depth d, its d drafts from one drafter forward per round (the depth "
+                         "arms' drafter drafts a chain: d forwards)"}
+    for kind, arms in (("tree", trees), ("lookup", lookups), ("parallel", parallels)):
         if arms:
             top = max(arms, key=lambda d: rows[d]["decode_tokens_per_s"])
             result.update({f"best_{kind}": top, f"best_{kind}_speedup": rows[top]["speedup"],
@@ -465,6 +516,15 @@ def _plot_serve(result: dict, path: str) -> None:
                 label=f"{name} (tree, measured)")
         a2.plot([d for d, _ in pts], [r["acceptance_length"] for _, r in pts], **style,
                 label=f"{name} (tree)")
+    par = sorted((r for r in result["runs"].values() if "parallel_depth" in r),
+                 key=lambda r: r["parallel_depth"])
+    if par:
+        a1.plot([r["parallel_depth"] for r in par], [r["decode_tokens_per_s"] for r in par],
+                "D-", color="#d6a", label="parallel drafter (measured)")
+        a1.plot([r["parallel_depth"] for r in par], [r["predicted_tokens_per_s"] for r in par],
+                "d:", color="#d6a", label="parallel drafter (predicted)")
+        a2.plot([r["parallel_depth"] for r in par], [r["acceptance_length"] for r in par],
+                "D-", color="#d6a", label="parallel drafter")
     look = sorted((r for r in result["runs"].values() if isinstance(r.get("lookup_depth"), int)),
                   key=lambda r: r["lookup_depth"])
     if look:

@@ -246,7 +246,7 @@ def synthetic_loss_mask(seq: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmup: int,
-                       seed: int, deep_fraction: float = 1.0) -> dict:
+                       seed: int, deep_fraction: float = 1.0, drafting: str = "chain") -> dict:
     """Runs in a fresh (spawned) process: build, then time `warmup + steps` optimizer steps."""
     import resource
     import statistics
@@ -254,7 +254,7 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
     from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter, Teacher
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    c = DraftConfig(**shapes)
+    c = DraftConfig(**shapes, drafting=drafting)
     h, v, vd, s = c.hidden_size, c.vocab_size, c.draft_vocab_size, seq
     drafter = Eagle3Drafter(c)
     head = torch.randn(v, h, generator=g) * 0.02                          # verifier lm_head [V, H]
@@ -277,7 +277,7 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     peak = _status_mib("VmHWM")
-    return {"ttt_steps": ttt_steps, "deep_fraction": deep_fraction,
+    return {"ttt_steps": ttt_steps, "deep_fraction": deep_fraction, "drafting": drafting,
             "step_s": statistics.median(times[warmup:]),
             "step_times_s": times, "step_cpu_s": statistics.median(cpu[warmup:]),
             "rss_before_mib": rss_before, "peak_mib": peak - rss_before,
@@ -291,25 +291,32 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
                 seq: int = 1024, draft_vocab: int = 8192, heads: int = 9, kv_heads: int = 3,
                 head_dim: int = 64, intermediate: int = 1536, vocab: int = 49152,
                 steps: int = 3, warmup: int = 1, seed: int = 0,
-                deep_fraction: float = 0.25) -> dict:
+                deep_fraction: float = 0.25, parallel: bool = False) -> dict:
     """Step time and peak memory of TTT training vs ttt_steps (fp32, CPU, B=1, random weights).
     Peak memory = the process's RSS high-water mark (VmHWM, = ru_maxrss of the fresh process)
     minus its RSS right before the first step: the step's own memory (activations, grads, AdamW
     state). `results`: every step on all positions; `deep_results` (ttt_steps > 1): the steps
-    past 0 on a `deep_fraction` share of them. Writes <out_dir>/train.json and train.png."""
+    past 0 on a `deep_fraction` share of them. parallel: the same for a parallel (P-EAGLE)
+    drafter at each ttt_steps >= 2 (`parallel_results`, `parallel_deep_results`), set against
+    the chain's at the same depth. Writes <out_dir>/train.json and train.png."""
     import multiprocessing as mp
     shapes = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab,
                   draft_vocab_size=draft_vocab)
     results, deep_results = [], []
     ctx = mp.get_context("spawn")
-    runs = [(k, 1.0) for k in ttt_steps] + [(k, deep_fraction) for k in ttt_steps
-                                            if k > 1 and deep_fraction < 1]
-    for k, f in runs:
+    runs = [(k, 1.0, "chain") for k in ttt_steps] + [
+        (k, deep_fraction, "chain") for k in ttt_steps if k > 1 and deep_fraction < 1]
+    if parallel:
+        runs += [(k, f, "parallel") for k, f, _ in runs if k > 1]
+    par, par_deep = [], []
+    for k, f, kind in runs:
         with ctx.Pool(1) as pool:  # a fresh interpreter per configuration
-            r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed, f))
-        (results if f == 1.0 else deep_results).append(r)
-        print(f"[bench] train ttt_steps={k} deep_fraction={f}: {r['step_s'] * 1000:.0f} ms/step "
+            r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed, f, kind))
+        lists = (par, par_deep) if kind == "parallel" else (results, deep_results)
+        lists[f < 1.0].append(r)                     # (all positions, a deep share)
+        print(f"[bench] train {kind} ttt_steps={k} deep_fraction={f}: "
+              f"{r['step_s'] * 1000:.0f} ms/step "
               f"({r['step_cpu_s'] * 1000:.0f} ms CPU), "
               f"peak +{r['peak_mib']:.0f} MiB over {r['rss_before_mib']:.0f} MiB")
     base = results[0]
@@ -330,6 +337,7 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
                          for r in deep_results},
         "deep_time_ratio_vs_first": {r["ttt_steps"]: r["step_s"] / base["step_s"]
                                      for r in deep_results},
+        **(_parallel_vs_chain(par, par_deep, results, deep_results) if parallel else {}),
         "note": "step = ttt_loss forward + backward + AdamW step, median after warm-up (wall; "
                 "cpu = process CPU time of all threads, less sensitive to a shared box); peak = "
                 "VmHWM of a fresh process minus its RSS before the first step. Targets: memory "
@@ -339,6 +347,19 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
     save_result(out_dir, "train", result, _plot_train)
     print(f"[bench] train -> {out_dir}/train.json")
     return result
+
+
+def _parallel_vs_chain(par, par_deep, chain, chain_deep) -> dict:
+    """bench train's parallel block: its runs and their time / memory over the chain's at the
+    same ttt_steps and share of positions."""
+    def ratios(a, b, key):
+        by_k = {r["ttt_steps"]: r for r in b}
+        return {r["ttt_steps"]: r[key] / by_k[r["ttt_steps"]][key] for r in a}
+    return {"parallel_results": par, "parallel_deep_results": par_deep,
+            "parallel_time_ratio_vs_chain": ratios(par, chain, "step_s"),
+            "parallel_memory_ratio_vs_chain": ratios(par, chain, "peak_mib"),
+            "parallel_deep_time_ratio_vs_chain": ratios(par_deep, chain_deep, "step_s"),
+            "parallel_deep_memory_ratio_vs_chain": ratios(par_deep, chain_deep, "peak_mib")}
 
 
 def _plot_train(result: dict, path: str) -> None:
@@ -352,6 +373,14 @@ def _plot_train(result: dict, path: str) -> None:
     if deep:
         a.plot([r["ttt_steps"] for r in deep], [r["step_s"] for r in deep], "s--", color="#7a3",
                label=f"steps past 0 on {result['deep_fraction']:.0%}")
+    for rs, style, what in ((result.get("parallel_results"), "D-", "parallel"),
+                            (result.get("parallel_deep_results"), "D--", "parallel, deep share")):
+        if rs:
+            a.plot([r["ttt_steps"] for r in rs], [r["step_s"] for r in rs], style, color="#d6a",
+                   label=what)
+            b.plot([r["ttt_steps"] for r in rs], [r["peak_mib"] for r in rs], style,
+                   color="#d6a")
+    if deep or result.get("parallel_results"):
         a.legend()
     a.set_xlabel("ttt_steps")
     a.set_ylabel("optimizer step (s)")

@@ -1,30 +1,50 @@
-"""The depth planner: which speculation depth to serve, how deep to train, what speedup to expect.
+"""The depth planner: which speculation depth to serve, how deep to train, what speedup to expect,
+and whether to draft a chain (EAGLE-3) or in parallel (P-EAGLE).
 
 Cost model (../shared/DESIGN.md, "Cost model"). With conditional acceptance a_j at draft
 position j and p_i = Π_{j<=i} a_j (the chance that position i is accepted):
     E[τ](k)      = 1 + Σ_{i<k} p_i                      tokens per round at depth k
-    comm(t)      = N_ar·(α + 2(n−1)/n · t·H·B / BW)     N_ar all-reduces of t tokens, n GPUs
-                   or N_ar·AR(t·H·B)                    AR: a measured all-reduce curve
+    AR(m)        = α + 2(n−1)/n · m / BW                one all-reduce of m bytes on n GPUs
+                   or a measured all-reduce curve       (allreduce_curve_us)
+    comm(t)      = N_ar·AR(t·H·B)                       N_ar all-reduces of t tokens
     t_verify(t)  = compute(t) + comm(t)                 compute(t): the profile's table
-    T_round(k)   = k·t_draft + t_verify(k+1)
+    t_draft      = t_step + C·AR(H·B)                   one chain drafter forward: compute
+                                                        (draft_step_ms) + its C collectives
+                                                        (draft_collectives) of one token
+    D_chain(k)   = k·t_draft                            k sequential forwards (the first also
+                                                        absorbs the accepted tokens)
+    D_par(k)     = t_par(k) + C·AR(k·H·B), 0 at k = 0   ONE forward of k query tokens (bonus
+                                                        token + k−1 mask slots, P-EAGLE):
+                                                        t_par(k) from draft_parallel_ms
+    T_round(k)   = D(k) + t_verify(k+1)
     tokens/s(k)  = E[τ](k) / T_round(k),   speedup(k) = E[τ](k) · T_round(0) / T_round(k)
 A round's fixed costs (N_ar·α of all-reduce latency, reading the weights once) buy more tokens
 the deeper it drafts, so a node with slow all-reduces (PCIe) goes deeper than one with fast ones
 (NVLink); growing per-token costs (draft steps, MoE experts touched, transfer) stop it.
+vLLM and SGLang run an EAGLE drafter at the verifier's tensor-parallel degree, so on a TP node
+every drafter forward pays C ≈ 4 collectives (vocab-parallel embedding, attention o_proj, MLP
+down_proj, lm_head gather): a chain pays them k times a round, a parallel drafter once. A
+parallel drafter's acceptance is lower (it does not see its own earlier drafts), so which kind
+wins depends on the node and on both acceptance curves: choose_drafting() prices each.
 
 A node profile is data: a YAML file (eagle3_ray/plan/profiles/<name>.yaml, or any path) with the
-verify compute time per number of tokens, the draft step time and the interconnect: α/β, or a
-measured all-reduce time per message size (`interconnect.allreduce_us`, interpolated log-log;
-α/β is the fallback when a profile has none). `eagle3-ray profile` measures one (the curve with
-several GPUs); the packaged ones are derived from spec sheets or published measurements (see
-their comments).
+verify compute time per number of tokens, the draft step time, the time of a k-token drafter
+forward, the drafter's collectives per forward and the interconnect: α/β, or a measured
+all-reduce time per message size (`interconnect.allreduce_us`, interpolated log-log; α/β is
+the fallback when a profile has none). `eagle3-ray profile` measures one (the curve with several
+GPUs); the packaged ones are derived from spec sheets or published measurements (see their
+comments).
 Acceptance comes from a training run, `bench quality` / `bench serve` JSON, a server's /metrics,
 or a literal list; past the measured positions it is extrapolated conservatively and marked.
 
     eagle3-ray plan --acceptance 0.8,0.75,0.7,0.65 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
         --compare nvlink-8x-h100-kimi-k2.5 --out /tmp/plan          # CPU, a second
+    eagle3-ray plan --acceptance 0.8,0.75,0.7 --parallel-acceptance 0.7,0.65,0.6 \\
+        --profile pcie-8x-rtx-pro-6000-kimi-k2.5 --out /tmp/plan    # chain or parallel?
     eagle3-ray plan --sweep 0.5 0.6 0.7 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
         --compare pcie-8x-rtx-pro-6000-kimi-k2.5-allreduce-curve     # best depth vs acceptance
+    eagle3-ray plan --sweep-kinds 0.5 0.6 0.7 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
+        --out /tmp/plan                                 # chain vs parallel, collectives on/off
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml              # measure this machine
 """
 from __future__ import annotations
@@ -42,6 +62,17 @@ from eagle3_ray.train import ttt
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 EXTRAPOLATION_WINDOW = 3      # known positions averaged for the extrapolation base
 EXTRAPOLATION_DECAY = 0.9     # each extrapolated position: base · decay^(distance past known)
+DRAFTING = ("chain", "parallel")   # how a round drafts: k drafter forwards, or one of k tokens
+# Collectives of one drafter forward when the drafter runs at the verifier's tensor-parallel
+# degree (vLLM V1 and SGLang do; the profiles' comments cite the code): the vocab-parallel
+# embedding, attention o_proj and MLP down_proj all-reduces, the lm_head logits gather.
+DRAFT_COLLECTIVES_TP = 4
+# A parallel drafter's acceptance relative to a chain's, from the per-position acceptance vLLM
+# PR #32628 reports on HumanEval at k = 8 (P-EAGLE P0 63%, P1 38%; EAGLE-3 71%, 49%): position
+# 0 x 63/71, each later position's conditional acceptance x (38/63) / (49/71). Used by
+# sweep_drafting() to derive a parallel curve from a chain's.
+PARALLEL_FIRST_RATIO = 63 / 71                    # 0.887
+PARALLEL_REST_RATIO = (38 / 63) / (49 / 71)       # 0.874
 
 
 # --- node profiles ---------------------------------------------------------------------------
@@ -66,15 +97,24 @@ class NodeProfile:
     gpus: int                     # n: tensor-parallel degree of the verifier (1 = no comm)
     interconnect: Interconnect
     verify_ms: dict[int, float]   # tokens verified -> compute-only ms of one verifier forward
-    draft_step_ms: float          # one drafter step (one token), compute only
-    draft_allreduces: int = 0     # all-reduces per draft step (a drafter sharded over GPUs)
+    draft_step_ms: float          # one chain drafter forward (one token), compute only
+    draft_collectives: int = 0    # C: collectives per drafter forward (a drafter run tensor-
+                                  # parallel over the GPUs: DRAFT_COLLECTIVES_TP; one GPU: 0).
+                                  # Old profiles' `draft_allreduces` is read as this
+    draft_parallel_ms: dict[int, float] | None = None  # query tokens k -> compute-only ms of
+                                  # one drafter forward of k tokens after a cached context (a
+                                  # parallel round); None: modelled flat at draft_step_ms
     simulated: bool = False       # True: interconnect borrowed from another node (a simulation)
     _xs: list = field(default_factory=list, init=False, repr=False, compare=False)
     _ys: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _pxs: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _pys: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._xs = sorted(self.verify_ms)
         self._ys = [self.verify_ms[x] for x in self._xs]
+        self._pxs = sorted(self.draft_parallel_ms or {})
+        self._pys = [self.draft_parallel_ms[x] for x in self._pxs]
 
 
 def _check(cond: bool, where: str, msg: str) -> None:
@@ -107,10 +147,32 @@ def _curve(c, where: str) -> dict[int, float] | None:
     return dict(sorted(out.items()))
 
 
+def _ms_table(t, where: str, what: str) -> dict[int, float]:
+    """A non-empty mapping of token counts (integers >= 1) to ms (numbers > 0)."""
+    _check(isinstance(t, dict) and t, where, f"field '{what}' must be a non-empty mapping "
+                                             f"tokens -> ms")
+    out = {}
+    for k in t:
+        _check(isinstance(k, int) and not isinstance(k, bool) and k >= 1, where,
+               f"{what}: tokens must be integers >= 1, got {k!r}")
+        out[k] = _number(t, k, f"{where}: {what}", float, 1e-12)
+    return dict(sorted(out.items()))
+
+
+def _draft_collectives(d: dict, where: str) -> int:
+    """draft_collectives, or an old profile's draft_allreduces (the same count under its first
+    name); 0 when neither is given; both must agree."""
+    new = _number(d, "draft_collectives", where, int) if "draft_collectives" in d else None
+    old = _number(d, "draft_allreduces", where, int) if "draft_allreduces" in d else None
+    _check(new is None or old is None or new == old, where,
+           f"draft_collectives ({new}) and its old name draft_allreduces ({old}) disagree")
+    return new if new is not None else (old or 0)
+
+
 def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
     """A parsed YAML mapping -> NodeProfile, or ValueError naming `where` and the field."""
     _check(isinstance(d, dict), where, "a profile must be a YAML mapping")
-    known = {f.name for f in dataclasses.fields(NodeProfile) if f.init}
+    known = {f.name for f in dataclasses.fields(NodeProfile) if f.init} | {"draft_allreduces"}
     unknown = sorted(set(d) - known)
     _check(not unknown, where, f"unknown field(s) {unknown} (known: {sorted(known)})")
     _check("name" in d, where, "missing field 'name'")
@@ -128,14 +190,8 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
         bytes_per_elem=_number(ic, "bytes_per_elem", w, int, 1),
         allreduce_us=_curve(ic.get("allreduce_us"), f"{w}: allreduce_us"))
     _check("verify_ms" in d, where, "missing field 'verify_ms'")
-    vm = d["verify_ms"]
-    _check(isinstance(vm, dict) and vm, where,
-           "field 'verify_ms' must be a non-empty mapping tokens -> ms")
-    verify_ms = {}
-    for k, v in vm.items():
-        _check(isinstance(k, int) and k >= 1, where,
-               f"verify_ms: tokens must be integers >= 1, got {k!r}")
-        verify_ms[k] = _number(vm, k, f"{where}: verify_ms", float, 1e-12)
+    verify_ms = _ms_table(d["verify_ms"], where, "verify_ms")
+    par = d.get("draft_parallel_ms")
     sources = d.get("sources", [])
     _check(isinstance(sources, list) and all(isinstance(s, str) for s in sources), where,
            "field 'sources' must be a list of strings")
@@ -143,8 +199,8 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
         name=str(d["name"]), description=str(d.get("description", "")), sources=sources,
         gpus=gpus, interconnect=inter, verify_ms=verify_ms,
         draft_step_ms=_number(d, "draft_step_ms", where, float, 1e-12),
-        draft_allreduces=(_number(d, "draft_allreduces", where, int)
-                          if "draft_allreduces" in d else 0),
+        draft_collectives=_draft_collectives(d, where),
+        draft_parallel_ms=None if par is None else _ms_table(par, where, "draft_parallel_ms"),
         simulated=bool(d.get("simulated", False)))
 
 
@@ -181,6 +237,10 @@ def profile_to_dict(p: NodeProfile) -> dict:
         d["interconnect"]["allreduce_us"] = {int(k): float(v) for k, v in
                                              sorted(p.interconnect.allreduce_us.items())}
     d["verify_ms"] = {int(k): float(v) for k, v in sorted(p.verify_ms.items())}
+    if p.draft_parallel_ms is None:
+        del d["draft_parallel_ms"]                              # not measured: modelled flat
+    else:
+        d["draft_parallel_ms"] = {int(k): float(v) for k, v in sorted(p.draft_parallel_ms.items())}
     return d
 
 
@@ -262,14 +322,47 @@ def verify_s(profile: NodeProfile, tokens: int) -> float:
     return compute_s(profile, tokens) + comm_s(profile, tokens)
 
 
+def draft_comm_s(profile: NodeProfile, tokens: int) -> float:
+    """The collectives of one drafter forward over `tokens` query tokens: C·AR(tokens·H·B),
+    C = draft_collectives (each priced as an all-reduce of the drafter's hidden states, the
+    lm_head gather included); 0 on one GPU."""
+    return profile.draft_collectives * _allreduce_s(profile, tokens)
+
+
 def draft_s(profile: NodeProfile) -> float:
-    """One draft step: compute + its own all-reduces of one token (a sharded drafter)."""
-    return profile.draft_step_ms / 1e3 + profile.draft_allreduces * _allreduce_s(profile, 1)
+    """t_draft: one chain drafter forward, compute + its collectives of one token."""
+    return profile.draft_step_ms / 1e3 + draft_comm_s(profile, 1)
 
 
-def round_s(profile: NodeProfile, k: int) -> float:
-    """One speculation round at depth k: k draft steps + a verify of k+1 tokens."""
-    return k * draft_s(profile) + verify_s(profile, k + 1)
+def draft_parallel_compute_s(profile: NodeProfile, k: int) -> float:
+    """t_par(k): one drafter forward of k query tokens, compute only: the profile's
+    draft_parallel_ms interpolated (linear, continued past its ends); without one, modelled
+    flat at draft_step_ms (a forward of a few tokens reads the same weights as one of one)."""
+    if not profile._pxs:
+        return profile.draft_step_ms / 1e3
+    return _interp(profile._pxs, profile._pys, k) / 1e3
+
+
+def draft_round_s(profile: NodeProfile, k: int, drafting: str = "chain") -> float:
+    """A round's drafting at depth k: D_chain(k) = k·t_draft, or D_par(k) = t_par(k) +
+    C·AR(k·H·B) (one forward of k tokens, its collectives once); 0 at depth 0."""
+    if drafting == "chain":
+        return k * draft_s(profile)
+    if drafting != "parallel":
+        raise ValueError(f"drafting must be one of {DRAFTING}, got {drafting!r}")
+    return 0.0 if k == 0 else draft_parallel_compute_s(profile, k) + draft_comm_s(profile, k)
+
+
+def draft_round_comm_s(profile: NodeProfile, k: int, drafting: str = "chain") -> float:
+    """The collectives' part of draft_round_s: k·C·AR(H·B) (chain) or C·AR(k·H·B)."""
+    if k == 0:
+        return 0.0
+    return k * draft_comm_s(profile, 1) if drafting == "chain" else draft_comm_s(profile, k)
+
+
+def round_s(profile: NodeProfile, k: int, drafting: str = "chain") -> float:
+    """One speculation round at depth k: its drafting + a verify of k+1 tokens."""
+    return draft_round_s(profile, k, drafting) + verify_s(profile, k + 1)
 
 
 def _ls_slope(xs: list[float], ys: list[float]) -> float:
@@ -300,7 +393,8 @@ def extend_acceptance(cond_acc: list[float], depth: int, window: int = EXTRAPOLA
     return list(cond_acc) + extra, [False] * m + [True] * (depth - m)
 
 
-def best_depth(cond_acc: list[float], profile: NodeProfile, max_depth: int | None = None) -> int:
+def best_depth(cond_acc: list[float], profile: NodeProfile, max_depth: int | None = None,
+               drafting: str = "chain") -> int:
     """argmax over k = 0..max_depth of tokens/s (ties: the shallower). Cheap enough to call per
     round from a dynamic-depth server: one pass over the depths, a few floats each. Positions
     past len(cond_acc) are extrapolated (extend_acceptance)."""
@@ -311,7 +405,7 @@ def best_depth(cond_acc: list[float], profile: NodeProfile, max_depth: int | Non
     for k in range(1, max_depth + 1):
         chain *= cond_acc[k - 1]
         tau += chain
-        rate = tau / round_s(profile, k)
+        rate = tau / round_s(profile, k, drafting)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
@@ -329,12 +423,16 @@ class DynamicDepth:
     own figures (extend_acceptance), so a request whose drafts keep being accepted goes deeper
     and one that keeps missing (code vs chat, say) backs off. Rounds drafted by the lookup
     fallback, or won by the lookup's chain of a tree (Round.lookup), are left out: their
-    acceptance is the n-gram match's, not the drafter's."""
+    acceptance is the n-gram match's, not the drafter's. drafting: how the drafter's rounds
+    are priced (a parallel drafter's round is one forward, draft_round_s)."""
 
     def __init__(self, profile: NodeProfile, prior: list[float], max_depth: int,
-                 prior_rounds: float = 8.0):
+                 prior_rounds: float = 8.0, drafting: str = "chain"):
         if not prior:
             raise ValueError("DynamicDepth needs a prior acceptance for at least position 0")
+        if drafting not in DRAFTING:
+            raise ValueError(f"drafting must be one of {DRAFTING}, got {drafting!r}")
+        self.drafting = drafting
         self.profile, self.max_depth, self.seen = profile, max_depth, 0
         self.known = min(len(prior), max_depth)                     # positions the prior gives
         self.prior = extend_acceptance(list(prior), max(max_depth, len(prior)))[0][:max_depth]
@@ -360,18 +458,22 @@ class DynamicDepth:
                 self.reached[k] += 1
                 self.accepted[k] += k < r.accepted
         self.seen = len(history)
-        d = best_depth(self.cond_acc(), self.profile, self.max_depth)
+        d = best_depth(self.cond_acc(), self.profile, self.max_depth, self.drafting)
         self.depths.append(d)
         return d
 
 
 def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
-         known_depth: int | None = None, train_costs: dict[int, float] | None = None) -> dict:
-    """Per depth 0..max_depth: E[τ], round time (draft / verify compute / comm), tokens/s,
-    speedup, extrapolated; the best depth, the ttt_steps to train for it, the training cost of
-    each ttt_steps choice (train_costs: ttt_steps -> seconds per step, from `bench train`), and
-    a plain-words reason. `known_depth`: how many leading entries of cond_acc are measured
-    (default: all); the rest is extrapolated."""
+         known_depth: int | None = None, train_costs: dict[int, float] | None = None,
+         drafting: str = "chain") -> dict:
+    """Per depth 0..max_depth: E[τ], round time (draft and its collectives / verify compute /
+    comm), tokens/s, speedup, extrapolated; the best depth, the ttt_steps to train for it, the
+    training cost of each ttt_steps choice (train_costs: ttt_steps -> seconds per step, from
+    `bench train`), and a plain-words reason. `known_depth`: how many leading entries of
+    cond_acc are measured (default: all); the rest is extrapolated. `drafting`: how the rounds
+    draft ("chain" or "parallel", draft_round_s), and so what cond_acc is the acceptance of."""
+    if drafting not in DRAFTING:
+        raise ValueError(f"drafting must be one of {DRAFTING}, got {drafting!r}")
     if not 1 <= max_depth <= 64:
         raise ValueError(f"max_depth must be in 1..64, got {max_depth}")
     known = len(cond_acc) if known_depth is None else min(known_depth, len(cond_acc))
@@ -385,17 +487,21 @@ def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
     r0 = round_s(profile, 0)
     rows = []
     for k in range(max_depth + 1):
-        r = round_s(profile, k)
+        r = round_s(profile, k, drafting)
+        forwards = k if drafting == "chain" else min(k, 1)     # drafter forwards per round
         rows.append({"depth": k, "accept_len": taus[k], "round_ms": r * 1e3,
-                     "draft_ms": k * draft_s(profile) * 1e3,
+                     "draft_ms": draft_round_s(profile, k, drafting) * 1e3,
+                     "draft_comm_ms": draft_round_comm_s(profile, k, drafting) * 1e3,
+                     "draft_collectives": forwards * profile.draft_collectives,
                      "verify_compute_ms": compute_s(profile, k + 1) * 1e3,
                      "comm_ms": comm_s(profile, k + 1) * 1e3,
                      "tokens_per_s": taus[k] / r, "speedup": taus[k] * r0 / r,
                      "extrapolated": k > known})
-    best = best_depth(acc, profile, max_depth)
+    best = best_depth(acc, profile, max_depth, drafting)
     ttt_steps = max(1, min(32, best))
     result = {
         "profile": profile.name, "simulated": profile.simulated, "max_depth": max_depth,
+        "drafting": drafting,
         "acceptance": {"cond_acc": acc, "extrapolated": extrapolated, "known_depth": known,
                        "extrapolation": f"past position {known - 1}: min(last, mean of last "
                                         f"{EXTRAPOLATION_WINDOW}) x "
@@ -420,6 +526,15 @@ def plan(cond_acc: list[float], profile: NodeProfile, max_depth: int = 32,
     if best == 0:
         result["warnings"].append("speculation does not pay here: no depth beats plain decoding "
                                   "with this acceptance on this node")
+    if drafting == "parallel" and not profile.draft_parallel_ms:
+        result["warnings"].append(
+            f"{profile.name} has no draft_parallel_ms: a k-token drafter forward is modelled "
+            f"flat at draft_step_ms ({profile.draft_step_ms:g} ms); `eagle3-ray profile` "
+            f"measures it")
+    elif drafting == "parallel" and max_depth > max(profile.draft_parallel_ms):
+        result["warnings"].append(
+            f"draft_parallel_ms is measured up to {max(profile.draft_parallel_ms)} tokens; "
+            f"deeper parallel forwards are extrapolated linearly")
     if train_costs:
         base = min(train_costs)                 # costs relative to the shallowest ttt_steps
         result["train"] = [{"ttt_steps": s, "step_s": c, "relative_cost": c / train_costs[base],
@@ -461,6 +576,13 @@ def why(result: dict, profile: NodeProfile) -> str:
              f"a depth-0 round costs {r0['round_ms']:.2f} ms, {r0['comm_ms'] / r0['round_ms']:.0%} "
              f"of it communication ({ic.allreduces_per_forward} all-reduces x "
              f"{one} on {profile.gpus} GPUs)."]
+    if b and rb["draft_collectives"]:
+        how = (f"one forward of {b} tokens" if result.get("drafting") == "parallel" else
+               f"{b} drafter forward{'s' if b > 1 else ''}")
+        lines.append(f"Drafting ({result.get('drafting', 'chain')}, {how}) pays "
+                     f"{rb['draft_collectives']} collectives ({rb['draft_comm_ms']:.2f} ms of its "
+                     f"{rb['draft_ms']:.2f} ms) at the best depth: the drafter runs "
+                     f"tensor-parallel, {profile.draft_collectives} per forward.")
     if b == 0:
         r1 = rows[1]
         lines.append(f"Depth 1 would cost {r1['round_ms']:.2f} ms for {r1['accept_len']:.2f} "
@@ -534,6 +656,200 @@ def format_sweep(result: dict) -> str:
             cells += [str(row[n]["best_depth"]), f"x{row[n]['speedup']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# --- chain or parallel drafting ----------------------------------------------------------------
+
+def kind_summary(result: dict) -> dict:
+    """The best row of a plan() result, the fields a drafting choice is argued from."""
+    b = result["best"]
+    return {"drafting": result["drafting"], "best_depth": result["best_depth"],
+            "speedup": b["speedup"], "tokens_per_s": b["tokens_per_s"],
+            "accept_len": b["accept_len"], "round_ms": b["round_ms"], "draft_ms": b["draft_ms"],
+            "draft_comm_ms": b["draft_comm_ms"], "draft_collectives": b["draft_collectives"]}
+
+
+def choose_drafting(profile: NodeProfile, acceptance: dict[str, tuple[list[float], int, str]],
+                    max_depth: int = 32, train_costs: dict[int, float] | None = None) -> dict:
+    """Chain or parallel drafting, and the depth, on `profile`.
+
+    acceptance: kind -> (cond_acc, known depth, source), for the kinds whose acceptance was
+    measured (a chain drafter's, a parallel drafter's, or both). Each given kind is planned
+    (plan(), its own acceptance and draft_round_s) and the one with the higher tokens/s at its
+    best depth is chosen (a tie: the chain). With one kind only, the other kind's plan at the
+    same acceptance is added as a what-if: what its drafting would cost, not a choice (a
+    parallel drafter does not reach a chain's acceptance, nor the reverse).
+    -> {"choice", "plans": {kind: plan()}, "kinds": {kind: summary}, "what_if": {kind: plan()}
+    (one kind given), "attribution" (both given: _attribution), "why"}."""
+    unknown = sorted(set(acceptance) - set(DRAFTING))
+    if not acceptance or unknown:
+        raise ValueError(f"acceptance must be given for some of {DRAFTING}, got "
+                         f"{sorted(acceptance)}")
+    plans = {kind: plan(cond, profile, max_depth, known, train_costs, drafting=kind)
+             for kind, (cond, known, _) in acceptance.items()}
+    for kind, (_, _, source) in acceptance.items():
+        plans[kind]["acceptance"]["source"] = source
+    kinds = {kind: dict(kind_summary(r), source=acceptance[kind][2]) for kind, r in plans.items()}
+    choice = max(plans, key=lambda k: (plans[k]["best"]["tokens_per_s"], k == "chain"))
+    out = {"choice": choice, "plans": plans, "kinds": kinds, "what_if": {}, "attribution": None}
+    if len(plans) == 2:
+        out["attribution"] = _attribution(profile, acceptance, choice,
+                                          next(k for k in plans if k != choice), max_depth)
+    else:
+        other = next(k for k in DRAFTING if k != choice)
+        cond, known, _ = acceptance[choice]
+        w = plan(cond, profile, max_depth, known, train_costs, drafting=other)
+        w["acceptance"]["source"] = (f"WHAT-IF: {choice}'s acceptance ({acceptance[choice][2]}) "
+                                     f"priced as {other} drafting")
+        out["what_if"][other] = w
+    out["why"] = why_drafting(out)
+    return out
+
+
+def _attribution(profile: NodeProfile, acceptance: dict, win: str, lose: str,
+                 max_depth: int) -> dict:
+    """What decided between the kinds: each kind's best tokens/s with the acceptance of one and
+    the drafting (cost) of the other. acceptance_gain = the winner's acceptance drafted the
+    loser's way, cost_gain = the loser's acceptance drafted the winner's way, both over the
+    loser's own; the larger one dominated ('tie': neither moves it, e.g. depth 0 on both)."""
+    def rate(acc_kind: str, cost_kind: str) -> float:
+        cond, known, _ = acceptance[acc_kind]
+        return plan(cond, profile, max_depth, known, drafting=cost_kind)["best"]["tokens_per_s"]
+    base = rate(lose, lose)
+    acc_gain, cost_gain = rate(win, lose) / base, rate(lose, win) / base
+    if rate(win, win) <= base * (1 + 1e-9):
+        dom = "tie"
+    else:
+        dom = "acceptance" if acc_gain >= cost_gain else "cost"
+    return {"dominated": dom, "acceptance_gain": acc_gain, "cost_gain": cost_gain}
+
+
+def _drafting_text(k: dict) -> str:
+    forwards = (f"{k['best_depth']} forward{'s' if k['best_depth'] > 1 else ''}"
+                if k["drafting"] == "chain" else
+                f"1 forward of {k['best_depth']} tokens") if k["best_depth"] else "no drafting"
+    return (f"{k['drafting']}: drafting {k['draft_ms']:.2f} ms ({forwards}, "
+            f"{k['draft_collectives']} collectives = {k['draft_comm_ms']:.2f} ms)")
+
+
+def why_drafting(choice: dict) -> str:
+    """The reason for choose_drafting()'s choice, in plain words: each kind's best depth and
+    speedup, and whether acceptance or drafting cost decided (_attribution)."""
+    kinds, win = choice["kinds"], choice["kinds"][choice["choice"]]
+    head = (f"{win['drafting']} at depth {win['best_depth']} (x{win['speedup']:.2f}, "
+            f"E[tau] {win['accept_len']:.2f} in {win['round_ms']:.2f} ms)")
+    if len(kinds) == 1:
+        other, w = next(iter(choice["what_if"].items()))
+        ws = kind_summary(w)
+        return (f"Only {win['drafting']} acceptance given: {head}; {_drafting_text(win)}. "
+                f"WHAT-IF, not a choice: the same acceptance drafted {other} would serve depth "
+                f"{ws['best_depth']} (x{ws['speedup']:.2f}; {_drafting_text(ws)}); a "
+                f"{other} drafter's own acceptance would differ (a parallel drafter's is lower: "
+                f"it does not see its own earlier drafts). Give both to choose.")
+    lose = next(k for n, k in kinds.items() if n != win["drafting"])
+    att = choice["attribution"]
+    if att["dominated"] == "tie":
+        because = "a tie: the same tokens/s either way (a tie goes to the chain)"
+    else:
+        because = (f"{att['dominated']} dominated: the {win['drafting']} drafter's acceptance "
+                   f"drafted as a {lose['drafting']} would give x{att['acceptance_gain']:.2f} "
+                   f"the {lose['drafting']}'s tokens/s, {win['drafting']} drafting at the "
+                   f"{lose['drafting']}'s acceptance x{att['cost_gain']:.2f}")
+    return (f"{head} beats {lose['drafting']} at depth {lose['best_depth']} "
+            f"(x{lose['speedup']:.2f}, E[tau] {lose['accept_len']:.2f} in "
+            f"{lose['round_ms']:.2f} ms): {because}. {_drafting_text(win)}; "
+            f"{_drafting_text(lose)}.")
+
+
+def parallel_from_chain(cond_acc: list[float], first: float = PARALLEL_FIRST_RATIO,
+                        rest: float = PARALLEL_REST_RATIO) -> list[float]:
+    """A parallel drafter's conditional acceptance derived from a chain's: position 0 x first,
+    every later position x rest (defaults: the P0/P1 ratios of PARALLEL_*_RATIO)."""
+    return [min(1.0, a * (first if j == 0 else rest)) for j, a in enumerate(cond_acc)]
+
+
+def sweep_drafting(levels: list[float], profiles: list[NodeProfile], max_depth: int = 32,
+                   first: float = PARALLEL_FIRST_RATIO, rest: float = PARALLEL_REST_RATIO) -> dict:
+    """Chain against parallel drafting over a family of acceptance curves: for each level a,
+    the chain's conditional acceptance is a at every position, the parallel drafter's is
+    parallel_from_chain() of it; on each profile, once with its draft_collectives and once
+    with 0 (a drafter whose collectives were free). Per row: each kind's best depth and
+    speedup, which kind choose_drafting() picks and what decided it, and the parallel kind at
+    the chain's own acceptance (the cost difference alone)."""
+    if not levels or not all(0.0 <= a <= 1.0 for a in levels):
+        raise ValueError(f"--sweep-kinds levels must lie in [0, 1], got {levels}")
+    if not (0 < first <= 1.5 and 0 < rest <= 1.5):
+        raise ValueError(f"parallel acceptance ratios must be in (0, 1.5], got {first}, {rest}")
+    rows = []
+    for p in profiles:
+        for c in sorted({p.draft_collectives, 0}, reverse=True):
+            q = dataclasses.replace(p, draft_collectives=c)
+            for a in levels:
+                chain = [a] * max_depth
+                par = parallel_from_chain(chain, first, rest)
+                ch = choose_drafting(q, {"chain": (chain, max_depth, f"a = {a:g}"),
+                                         "parallel": (par, max_depth, "derived")}, max_depth)
+                same = kind_summary(plan(chain, q, max_depth, drafting="parallel"))
+                rows.append({"profile": p.name, "acceptance": a, "draft_collectives": c,
+                             "chain": ch["kinds"]["chain"], "parallel": ch["kinds"]["parallel"],
+                             "pick": ch["choice"],
+                             "dominated": ch["attribution"]["dominated"],
+                             "acceptance_gain": ch["attribution"]["acceptance_gain"],
+                             "cost_gain": ch["attribution"]["cost_gain"],
+                             "parallel_at_chain_acceptance": same})
+    return {"kind": "sweep_drafting", "max_depth": max_depth,
+            "profiles": [p.name for p in profiles],
+            "parallel_acceptance": {
+                "first_ratio": first, "rest_ratio": rest,
+                "rule": "parallel a_0 = first x chain a_0; a_j = rest x chain a_j for j >= 1",
+                "source": "vLLM PR #32628, HumanEval, k = 8: P-EAGLE P0 63%, P1 38% against "
+                          "EAGLE-3 71%, 49% (the defaults)"},
+            "allreduce_model": {p.name: allreduce_model(p) for p in profiles},
+            "draft_step_ms": {p.name: p.draft_step_ms for p in profiles},
+            "draft_parallel_ms": {p.name: p.draft_parallel_ms for p in profiles},
+            "rows": rows}
+
+
+def format_sweep_drafting(result: dict) -> str:
+    """sweep_drafting() as Markdown: one table per profile."""
+    out = []
+    for name in result["profiles"]:
+        out += [f"{name} ({result['allreduce_model'][name]}):", "",
+                "| a (chain) | draft collectives / forward | chain: best depth | speedup | "
+                "parallel: best depth | speedup | plan picks | decided by (acceptance alone, "
+                "drafting alone) | parallel at the chain's acceptance: depth | speedup |",
+                "|" + "---|" * 10]
+        for r in (r for r in result["rows"] if r["profile"] == name):
+            ch, pa, same = r["chain"], r["parallel"], r["parallel_at_chain_acceptance"]
+            out.append(f"| {r['acceptance']:g} | {r['draft_collectives']} | {ch['best_depth']} | "
+                       f"x{ch['speedup']:.2f} | {pa['best_depth']} | x{pa['speedup']:.2f} | "
+                       f"{r['pick']} | {r['dominated']} (x{r['acceptance_gain']:.2f}, "
+                       f"x{r['cost_gain']:.2f}) | {same['best_depth']} | "
+                       f"x{same['speedup']:.2f} |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def drafting_of(source: str) -> str | None:
+    """How the drafter behind an acceptance source drafts: a drafter or training run dir says
+    so in its draft_config (config.json's eagle3_ray block, or meta.json), field `drafting`;
+    one written before the field existed is a chain. None for any other source (a JSON, a
+    URL, a list): the flag it was given with decides."""
+    if not os.path.isdir(source):
+        return None
+    for d in (source, os.path.join(source, "drafter")):
+        for name in ("config.json", "meta.json"):
+            path = os.path.join(d, name)
+            try:
+                j = json.load(open(path))
+            except (OSError, json.JSONDecodeError):
+                continue
+            if not isinstance(j, dict):
+                continue
+            dc = (j.get("eagle3_ray") or {}).get("draft_config") or j.get("draft_config")
+            if isinstance(dc, dict):
+                return dc.get("drafting", "chain")
+    return "chain"
 
 
 # --- acceptance sources ----------------------------------------------------------------------
@@ -736,14 +1052,18 @@ def train_costs_from(path: str) -> dict[int, float]:
 # --- output ----------------------------------------------------------------------------------
 
 def format_table(result: dict, compare: dict | None = None) -> str:
-    head = f"{'depth':>5} {'E[tau]':>7} {'round ms':>9} {'comm %':>6} {'tok/s':>8} {'speedup':>7}"
+    head = (f"{'depth':>5} {'E[tau]':>7} {'round ms':>9} {'draft ms':>8} {'comm %':>6} "
+            f"{'tok/s':>8} {'speedup':>7}")
     if compare:
         head += f" | {'tok/s':>8} {'speedup':>7}   ({compare['profile']})"
-    lines = [f"plan for {result['profile']}  (* best, ~ extrapolated acceptance)", head]
+    lines = [f"plan for {result['profile']}, {result.get('drafting', 'chain')} drafting  "
+             f"(* best, ~ extrapolated acceptance; comm %: the verify's and the drafter's "
+             f"collectives)", head]
     for i, r in enumerate(result["depths"]):
         mark = ("*" if i == result["best_depth"] else " ") + ("~" if r["extrapolated"] else " ")
+        comm = (r["comm_ms"] + r.get("draft_comm_ms", 0.0)) / r["round_ms"]
         line = (f"{r['depth']:>5} {r['accept_len']:>7.2f} {r['round_ms']:>9.2f} "
-                f"{r['comm_ms'] / r['round_ms']:>6.0%} {r['tokens_per_s']:>8.1f} "
+                f"{r['draft_ms']:>8.2f} {comm:>6.0%} {r['tokens_per_s']:>8.1f} "
                 f"{r['speedup']:>7.2f}{mark}")
         if compare:
             c = compare["depths"][i]
@@ -753,20 +1073,26 @@ def format_table(result: dict, compare: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def plot_plan(result: dict, path: str, compare: dict | None = None) -> None:
-    """Speedup vs depth (best marked, extrapolated acceptance shaded; a second profile dashed)
-    and the round-time breakdown of the first profile."""
+def plot_plan(result: dict, path: str, compare: dict | None = None,
+              other_kind: dict | None = None) -> None:
+    """Speedup vs depth (best marked, extrapolated acceptance shaded; a second profile dashed,
+    the other drafting kind dotted) and the round-time breakdown of the first profile."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     known = result["acceptance"]["known_depth"]
-    for res, style, color in ((result, "-", "#37a"), (compare, "--", "#a52")):
+    for res, style, color in ((result, "-", "#37a"), (compare, "--", "#a52"),
+                              (other_kind, ":", "#6a3")):
         if not res:
             continue
         ds = [r["depth"] for r in res["depths"]]
+        label = (f"{res['profile']}{' (simulated)' if res.get('simulated') else ''}, "
+                 f"{res.get('drafting', 'chain')}")
+        if res is other_kind and "WHAT-IF" in str(res["acceptance"].get("source", "")):
+            label += " (what-if: same acceptance)"
         a1.plot(ds, [r["speedup"] for r in res["depths"]], style, color=color, marker="o", ms=3,
-                label=f"{res['profile']}{' (simulated)' if res.get('simulated') else ''}")
+                label=label)
         b = res["best"]
         a1.plot([b["depth"]], [b["speedup"]], "*", color=color, ms=14,
                 label=f"best depth {b['depth']}: x{b['speedup']:.2f}")
@@ -779,15 +1105,17 @@ def plot_plan(result: dict, path: str, compare: dict | None = None) -> None:
     a1.set_title("predicted speedup")
     rows = result["depths"]
     ds = [r["depth"] for r in rows]
-    a2.stackplot(ds, [r["draft_ms"] for r in rows], [r["verify_compute_ms"] for r in rows],
-                 [r["comm_ms"] for r in rows], labels=["draft steps", "verify compute",
-                                                       "communication"],
-                 colors=["#9c6", "#69c", "#e96"], alpha=0.85)
+    a2.stackplot(ds, [r["draft_ms"] - r["draft_comm_ms"] for r in rows],
+                 [r["draft_comm_ms"] for r in rows], [r["verify_compute_ms"] for r in rows],
+                 [r["comm_ms"] for r in rows],
+                 labels=["drafter compute", "drafter collectives", "verify compute",
+                         "verify communication"],
+                 colors=["#9c6", "#cc6", "#69c", "#e96"], alpha=0.85)
     if compare:
         a2.plot(ds, [r["round_ms"] for r in compare["depths"]], "--", color="#a52",
                 label=f"round total, {compare['profile']}")
     a2.set_xlabel("speculation depth"), a2.set_ylabel("ms per round")
-    a2.set_title(f"round time, {result['profile']}")
+    a2.set_title(f"round time, {result['profile']}, {result.get('drafting', 'chain')}")
     for a in (a1, a2):
         a.grid(alpha=0.3), a.legend(fontsize=7)
     fig.tight_layout()
@@ -899,9 +1227,10 @@ def monotone_curve(verify_ms: dict[int, float]) -> dict[int, float]:
 
 
 def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: float, config,
-                          dtype=None, description: str = "") -> NodeProfile:
-    """Measured times of one device (no interconnect) -> a NodeProfile, its verify curve made
-    non-decreasing (monotone_curve)."""
+                          dtype=None, description: str = "",
+                          draft_parallel_ms: dict[int, float] | None = None) -> NodeProfile:
+    """Measured times of one device (no interconnect, no drafter collectives) -> a NodeProfile,
+    its verify curve and k-token drafter forward times made non-decreasing (monotone_curve)."""
     import time
     import torch
     itemsize = dtype.itemsize if dtype is not None else 2
@@ -912,4 +1241,6 @@ def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: floa
                                           allreduces_per_forward=0,
                                           hidden_size=config.hidden_size, bytes_per_elem=itemsize),
         verify_ms={k: round(v, 4) for k, v in monotone_curve(verify_ms).items()},
-        draft_step_ms=round(draft_ms, 4))
+        draft_step_ms=round(draft_ms, 4),
+        draft_parallel_ms=({k: round(v, 4) for k, v in monotone_curve(draft_parallel_ms).items()}
+                           if draft_parallel_ms else None))

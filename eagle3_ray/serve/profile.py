@@ -1,11 +1,13 @@
 """Measure this machine for the planner: a verifier forward over 1..k tokens after a KV cache,
-a drafter step as a round runs it, and with several GPUs the all-reduce curve -> a node profile
-(plan/planner.py reads it).
+a drafter step as a round runs it, a drafter forward of k query tokens (a parallel round's one
+forward), and with several GPUs the all-reduce curve -> a node profile (plan/planner.py reads
+it).
 
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml              # CPU, ~1 min
 """
 from __future__ import annotations
 
+import dataclasses
 import platform
 import statistics
 import time
@@ -19,14 +21,21 @@ from eagle3_ray.serve import speculate
 from eagle3_ray.train import checkpoint, draft
 
 
+PARALLEL_KS = (1, 2, 4, 8, 16)      # query tokens of the drafter forwards `profile` times
+
+
 def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
                     max_tokens: int = 33, context: int = 256, reps: int = 5, warmup: int = 1,
-                    name: str | None = None) -> planner.NodeProfile:
+                    name: str | None = None, parallel_ks=PARALLEL_KS,
+                    draft_collectives: int | None = None) -> planner.NodeProfile:
     """Time this machine: one verifier forward over 1..max_tokens tokens after a `context`-token
     KV cache (median of `reps`, the decoder's own verify call, aux hooks included), one drafter
-    step (a trained drafter dir, else an untrained one of the same shape), and, only with
-    several GPUs, the NCCL all-reduce curve (add_allreduce_curve; α/β fitted to it as the
-    fallback). -> a NodeProfile (gpus=1, N_ar=0 on one device)."""
+    step (a trained drafter dir, else an untrained one of the same shape), one drafter forward
+    of k query tokens for k in `parallel_ks` (measure_draft_parallel), and, only with several
+    GPUs, the NCCL all-reduce curve (add_allreduce_curve; α/β fitted to it as the fallback).
+    -> a NodeProfile (gpus=1, N_ar=0 on one device). draft_collectives: per drafter forward
+    (default: 0 on one device; with several, planner.DRAFT_COLLECTIVES_TP, as vLLM and SGLang
+    run the drafter at the verifier's tensor-parallel degree)."""
     spec = spec or verifier.EMBEDDED_VERIFIER
     ngpu = torch.cuda.device_count()
     model = verifier.load_verifier(spec, num_gpus=ngpu)                   # its default dtype
@@ -37,6 +46,8 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
         drafter = draft.untrained_drafter(spec, min(32000, cfg.vocab_size))[0]
     dec = speculate.Speculator(model, drafter.eval())
     verify_ms, draft_ms = measure_speculator(dec, max_tokens, context, reps, warmup)
+    parallel_ms = measure_draft_parallel(drafter, parallel_ks, context, reps, warmup) \
+        if parallel_ks else None
     dtype = next(model.parameters()).dtype
     where = torch.cuda.get_device_name(0) if ngpu else f"{platform.processor() or 'CPU'}, " \
         f"{torch.get_num_threads()} threads"
@@ -47,10 +58,57 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
                      f"{drafter_dir or 'untrained, same shape'}; {max(ngpu, 1)} x {where}"
                      + ("; verifier split over the GPUs by accelerate (layers, not tensor "
                         "parallel): verify_ms is close to, not exactly, compute only"
-                        if ngpu > 1 else "")))
+                        if ngpu > 1 else "")
+                     + ("; a PARALLEL drafter: draft_step_ms is its 4-draft round's one forward "
+                        "/ 4, draft_parallel_ms its forward of k tokens"
+                        if getattr(drafter.config, "parallel", False) else "")),
+        draft_parallel_ms=parallel_ms)
     if ngpu > 1:                        # NCCL all-reduce time per message size: the curve
         p = planner.add_allreduce_curve(p, ngpu, 2 * cfg.num_hidden_layers + 2)
-    return p
+    if draft_collectives is None:
+        draft_collectives = planner.DRAFT_COLLECTIVES_TP if ngpu > 1 else 0
+    return dataclasses.replace(p, draft_collectives=draft_collectives)
+
+
+def measure_draft_parallel(drafter, ks=PARALLEL_KS, context: int = 256, reps: int = 5,
+                           warmup: int = 1) -> dict[int, float]:
+    """One drafter forward of k query tokens after a `context`-token drafter KV cache, with the
+    logits of all k positions (a parallel round: its one forward proposes k drafts), for each k
+    in `ks` -> {k: median ms}, made non-decreasing (planner.monotone_curve). The forward is
+    Eagle3Drafter.forward with a serve.speculate.DraftKV as its `attend` (k > 1 query tokens:
+    causal over the cache); the tokens are random and the hidden states are verifier-shaped aux
+    states [1, k, 3H] through fc, as a round's first forward takes them. A parallel drafter
+    (config.parallel) gets 1 real token + k-1 mask slots, as it drafts. Timed round robin over
+    the k's, `warmup + reps` rounds; the cache is cropped back after each forward."""
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"parallel forward sizes must be >= 1, got {ks}")
+    dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    c, n = drafter.config, context + ks[-1]
+    parallel = bool(getattr(c, "parallel", False))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (1, n), generator=g).to(dev)          # [1, ctx+K]
+    aux = torch.randn(1, n, 3 * c.hidden_size, generator=g).to(dev, dtype)     # [1, ctx+K, 3H]
+    pos = torch.arange(n, device=dev)[None]                                    # [1, ctx+K]
+    samples = {k: [] for k in ks}
+    with torch.inference_mode():
+        kv = speculate.DraftKV()
+        drafter(ids[:, :context], aux[:, :context], pos[:, :context], attend=kv)   # the cache
+        for _ in range(warmup + reps):
+            for k in ks:
+                real = 1 if parallel else k                                    # tokens given
+                sync()
+                t0 = time.perf_counter()
+                extra = {"masked": k - 1} if parallel and k > 1 else {}
+                out = drafter(ids[:, context:context + real], aux[:, context:context + real],
+                              pos[:, context:context + k], attend=kv, **extra)  # [1, k, H]
+                drafter.logits(out)                                            # [1, k, Vd]
+                sync()
+                samples[k].append(time.perf_counter() - t0)
+                kv.crop(context)
+    ms = {k: statistics.median(x[warmup:]) * 1e3 for k, x in samples.items()}
+    return planner.monotone_curve(ms)
 
 
 def measure_speculator(dec, max_tokens: int = 33, context: int = 256, reps: int = 5,

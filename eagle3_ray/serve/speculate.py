@@ -12,6 +12,12 @@ One round at depth D (n tokens already in the verifier's KV cache, `x` the next 
              (token t+1, verifier aux state t) for the accepted positions
 Depth 0 is plain decoding through the same code (no drafter, a 1-token verify), the baseline.
 
+Parallel drafter (P-EAGLE, draft.DraftConfig.drafting = "parallel"): the draft step is ONE
+drafter forward that absorbs the round's tokens and runs D-1 mask slots after them; the last
+token's slot and the mask slots propose d_1..d_D at once. The rest of the round is the same.
+A D-deep round then pays one drafter forward instead of D (and on a tensor-parallel node one
+forward's collectives, plan/planner.py), for drafts that cannot see each other.
+
 Branches (greedy only): the round drafts `branches` chains that fork at the first draft, the
 drafter's top-k first tokens each continued greedily (one batched drafter step per depth), and
 verifies them in ONE verifier forward: [x, chain 1, chain 2, ...], each chain attending to the
@@ -41,6 +47,7 @@ unroll trains (ttt.py: step-0 keys causally, plus the drafter's own steps at one
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import logging
 import time
@@ -372,6 +379,19 @@ class Speculator:
 
     check_exact, inexact_reason = check_exact, inexact_reason   # the module's, as methods
 
+    def with_drafter(self, drafter) -> "Speculator":
+        """This verifier (patched and checked once) with another drafter trained on the same
+        aux layers: to compare drafters in one process (bench serve --parallel-drafter)."""
+        if self.drafter is None or list(drafter.config.aux_layer_ids) != self.layer_ids:
+            raise ValueError(f"with_drafter: the drafter reads aux layers "
+                             f"{drafter.config.aux_layer_ids}, this decoder captures "
+                             f"{self.layer_ids}")
+        other = copy.copy(self)
+        p = next(self.model.parameters())
+        other.drafter = drafter.to(device=p.device, dtype=p.dtype)
+        kernels.use_few_row_kernels(other.drafter, kernels=self.few_row_kernels)
+        return other
+
     # --- the two models ----------------------------------------------------------------------
 
     def _verify(self, ids: list[int], cache: DynamicCache, last_only: bool = False,
@@ -421,20 +441,38 @@ class Speculator:
         returned instead (q one-hot, no probabilities) when the drafter's first draft has
         probability < below."""
         drafts, qs, confs = [], [], []
-        h, logits_d = self._draft_step(tokens, aux, kv)
-        if fallback and float(logits_d.softmax(-1).max()) < below:
+        parallel = self.drafter.config.parallel
+        if parallel:                                   # all drafts from one forward (P-EAGLE)
+            logits = self._draft_parallel(tokens, aux, kv, depth)          # [depth, Vd]
+        else:
+            h, first = self._draft_step(tokens, aux, kv)
+            logits = first[None]                                           # [1, Vd]
+        if fallback and float(logits[0].softmax(-1).max()) < below:
             vocab = self.drafter.t2d.shape[0]
             qs = [None if sp.temperature == 0 else F.one_hot(torch.tensor(t, device=self.device),
                                                              vocab).float() for t in fallback]
             return list(fallback), qs, [], True
         for i in range(depth):
-            tok, q, conf = self._propose(logits_d, sp, gen)
+            if i > 0 and not parallel:                 # a chain: one more step, fed its state
+                h, step = self._draft_step([tok], h, kv)
+                logits = step[None]                                        # [1, Vd]
+            tok, q, conf = self._propose(logits[i if parallel else 0], sp, gen)
             drafts.append(tok)
             qs.append(q)
             confs.append(conf)
-            if i + 1 < depth:
-                h, logits_d = self._draft_step([tok], h, kv)
         return drafts, qs, confs, False
+
+    def _draft_parallel(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int):
+        """A parallel drafter's round in one forward: it absorbs (tokens, aux [1, s, 3H]) into
+        kv, and the last token's slot plus depth-1 mask slots after it (draft.Eagle3Drafter
+        forward's `masked`) each propose one draft -> draft-vocab logits [depth, Vd]. The mask
+        slots' keys stay in kv until the round's crop, like a chain's draft steps."""
+        start = len(kv)
+        t = torch.tensor([tokens], device=self.device)                    # [1, s]
+        pos = torch.arange(start, start + len(tokens) + depth - 1, device=self.device)[None]
+        dtype = self.drafter.fc.weight.dtype
+        out = self.drafter(t, aux.to(dtype), pos, attend=kv, masked=depth - 1)  # [1, s+d-1, H]
+        return self.drafter.logits(out[:, -depth:])[0].float()            # [depth, Vd]
 
     def _draft_branches(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
                         branches: int, match: list[int] = ()):
@@ -549,6 +587,10 @@ class Speculator:
         if tree and sp.temperature != 0:
             raise ValueError("branches > 1 and the lookup branch need greedy decoding "
                              "(temperature 0)")
+        if tree and self.drafter is not None and self.drafter.config.parallel:
+            raise ValueError("branches > 1 and the lookup branch need a chain drafter: a "
+                             "parallel drafter's drafts do not depend on each other, so its "
+                             "top-k first drafts would all continue alike")
         if tree and not self.exact["tree"]:
             raise ValueError(self.inexact_reason("tree"))
         if not prompt:

@@ -3,8 +3,8 @@
 A checkpoint directory holds three files, written atomically (temp dir + rename, so a crash
 never leaves a directory that looks complete):
 
-    model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V];
-                       no embed_tokens: the verifier's embedding is frozen and engines share it
+    model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V],
+                       mask_hidden [3H] for a parallel drafter; no embed_tokens: the verifier's embedding is frozen and engines share it
     config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout (engine_config: the
                        top-level aux ids in vLLM's convention, eagle_config's in SGLang's), plus
                        our full DraftConfig under "eagle3_ray"
@@ -25,7 +25,10 @@ their sources; no code taken):
     vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py (get_eagle3_aux_layers_from_config)
     reads the *top-level* `eagle_aux_hidden_state_layer_ids` of the draft config, used as-is:
     vllm/model_executor/models/llama.py captures `hidden_states + residual` *before* layer idx,
-    i.e. the input of that layer.
+    i.e. the input of that layer. A parallel (P-EAGLE) drafter: load_weights copies
+    "mask_hidden" [3H] into a buffer when speculative_config has "parallel_drafting": true
+    (and refuses the checkpoint without it); vllm/v1/spec_decode/llm_base_proposer.py reads
+    the config's top-level mask_token_id and feeds each mask slot fc(mask_hidden).
   - SGLang python/sglang/srt/model_executor/model_runner.py reads
     `eagle_config["eagle_aux_hidden_state_layer_ids"]` (nested only), and
     python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) captures at
@@ -103,7 +106,8 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.
     """Every tensor of a drafter checkpoint -> (shape, required dtype or None for any float)."""
     h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return {
+    parallel = {"mask_hidden": ((3 * h,), None)} if cfg.parallel else {}   # P-EAGLE, vLLM's name
+    return {**parallel,
         "fc.weight": ((h, 3 * h), None),
         "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
         "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
@@ -177,8 +181,12 @@ def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(ids),
                          "use_aux_hidden_state": True},
+        # P-EAGLE: vLLM reads mask_token_id (llm_base_proposer._init_parallel_drafting_params)
+        # when the user's speculative_config says "parallel_drafting": true; the second key
+        # says so to our serve/bench code, which sets it (serve/vllm.py)
+        **({"mask_token_id": cfg.mask_token_id, "parallel_drafting": True}
+           if cfg.parallel else {}),
     }
-
 
 def _ours(cfg: DraftConfig, **extra) -> dict:
     """Our block inside config.json: the full DraftConfig and the layer-id convention."""
@@ -492,6 +500,10 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
         raise ValueError(f"{src_dir}: hidden_act {cfg.hidden_act!r}; SGLang's and vLLM's Llama "
                          f"MLP (the EAGLE-3 drafter's) support only {ENGINE_ACTIVATION!r}, so no "
                          "engine would load this export (eagle3-ray serve runs it)")
+    if cfg.parallel and format != "vllm":
+        raise ValueError(f"{src_dir}: a parallel (P-EAGLE) drafter exports for vLLM only "
+                         f"(format 'vllm'); {format!r} has no parallel drafting we can target "
+                         "(SGLang: PR #27498 not merged)")
     spec = verifier_path or meta.get("verifier")
     vdir = None
     if format == "speculators":

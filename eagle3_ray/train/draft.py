@@ -55,6 +55,26 @@ class DraftConfig:
     hidden_act: str = "silu"
     aux_layer_ids: list[int] = field(default_factory=list)  # vLLM convention (schema.py)
     initializer_range: float = 0.02      # std of the random init of fc / midlayer weights
+    drafting: str = "chain"              # "chain": EAGLE-3, one forward per draft, each fed the
+                                         # previous step's state; "parallel": P-EAGLE, k drafts
+                                         # from one forward whose slots past the first hold
+                                         # mask_token_id and fc(mask_hidden)
+    mask_token_id: int | None = None     # parallel: the token of the mask slots (its embedding
+                                         # is the verifier's, frozen; what sets a slot apart is
+                                         # the learned mask_hidden); default vocab_size - 1
+
+    def __post_init__(self):
+        if self.drafting not in DRAFTING:
+            raise ValueError(f"drafting must be one of {DRAFTING}, got {self.drafting!r}")
+        if self.drafting == "parallel" and self.mask_token_id is None:
+            self.mask_token_id = self.vocab_size - 1
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary "
+                             f"0..{self.vocab_size - 1}")
+
+    @property
+    def parallel(self) -> bool:
+        return self.drafting == "parallel"
 
     @classmethod
     def from_verifier_config(cls, config, draft_vocab_size: int = 32000,
@@ -83,6 +103,9 @@ class DraftConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+DRAFTING = ("chain", "parallel")
 
 
 # --- building blocks ------------------------------------------------------------------------
@@ -215,6 +238,8 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        if c.parallel:  # P-EAGLE: the aux states a mask slot stands on, learned; vLLM's name
+            self.mask_hidden = nn.Parameter(torch.zeros(3 * h))               # [3H]
         self._rope_table = None  # CPU: fp32 (cos, sin) [P, D] of positions 0..P-1 (rope)
         self.reset_parameters()
 
@@ -226,6 +251,8 @@ class Eagle3Drafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 m.weight.fill_(1.0)
         self.embed_tokens.weight.normal_(0.0, self.config.initializer_range)
+        if self.config.parallel:
+            self.mask_hidden.normal_(0.0, self.config.initializer_range)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux)  # [B, S, 3H] -> [B, S, H]
@@ -273,12 +300,22 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden))  # [.., H] -> [.., Vd]
 
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                attend=None) -> torch.Tensor:
-        """One draft step: token_ids [B, S], hidden [B, S, 3H] (verifier aux states, fused by fc)
-        or [B, S, H] (the drafter's own previous output), positions [B, S] -> [B, S, H].
-        `attend(q, k, v) -> [B, S, nh*D]` is the attention pattern (default: causal)."""
+                attend=None, masked: int = 0) -> torch.Tensor:
+        """One draft step: token_ids [B, S-m], hidden [B, S-m, 3H] (verifier aux states, fused by
+        fc) or [B, S-m, H] (the drafter's own previous output), positions [B, S] -> [B, S, H].
+        masked = m > 0 (a parallel drafter): m mask slots follow, token mask_token_id and hidden
+        fc(mask_hidden) (P-EAGLE; S-m may be 0). `attend(q, k, v) -> [B, S, nh*D]` is the
+        attention pattern (default: causal)."""
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = self.fuse(hidden)                                     # [B, S, H]
+            hidden = self.fuse(hidden)                                     # [B, S-m, H]
+        if masked:
+            if not self.config.parallel:
+                raise ValueError("mask slots need a parallel drafter (drafting='parallel')")
+            b = token_ids.shape[0]
+            slot = self.fuse(self.mask_hidden[None])[0].to(hidden.dtype)   # [H]
+            hidden = torch.cat([hidden, slot.expand(b, masked, -1)], 1)    # [B, S, H]
+            mask_ids = token_ids.new_full((b, masked), self.config.mask_token_id)
+            token_ids = torch.cat([token_ids, mask_ids], 1)                # [B, S]
         q, k, v = self.qkv(token_ids, hidden, positions)
         attend = causal_attention if attend is None else attend  # (an empty KV cache is falsy)
         return self.finish(hidden, attend(q, k, v))
@@ -486,13 +523,15 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     return {"layer": j, "copied": copied, "kept_random": kept}
 
 
-def untrained_drafter(spec: str, draft_vocab_size: int | None = None, seed: int = 0):
+def untrained_drafter(spec: str, draft_vocab_size: int | None = None, seed: int = 0,
+                      drafting: str = "chain"):
     """A randomly initialised drafter for `spec` with the first `draft_vocab_size` token ids
     (default: the full vocabulary) as its draft vocab: for tests, benchmarks of the decoding
     machinery, and `serve` before any training. Returns (drafter, teacher)."""
     cfg = verifier.load_config(spec)
     c = DraftConfig.from_verifier_config(cfg, draft_vocab_size or cfg.vocab_size,
-                                         verifier.default_aux_layer_ids(cfg.num_hidden_layers))
+                                         verifier.default_aux_layer_ids(cfg.num_hidden_layers),
+                                         drafting=drafting)
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[:c.draft_vocab_size] = True
     torch.manual_seed(seed)

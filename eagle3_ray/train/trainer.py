@@ -66,6 +66,14 @@ class TrainConfig:
                                           # ttt_steps over this share of the training (0 = off)
     deep_fraction: float = 0.25           # share of positions that run the TTT steps past 0
                                           # (random each batch; <1 makes deep steps cheaper)
+    cod_ratio: float = 1.0                # COD sampling: step k >= 1 runs on deep_fraction *
+                                          # cod_ratio**(k-1) of the positions (1 = the same
+                                          # share at every deep step; P-EAGLE uses 0.7)
+    cod_min: float = 0.0                  # ... but never fewer than this share (P-EAGLE: 0.2)
+    drafting: str = "chain"               # chain: EAGLE-3, k drafts from k drafter forwards;
+                                          # parallel: P-EAGLE, k drafts from one forward (mask
+                                          # slots; ttt_steps = the depths trained)
+    mask_token_id: int | None = None      # parallel: the mask slots' token (default V - 1)
     draft_vocab_size: int = 4096          # reduced draft vocab (<= verifier vocab). The lm_head
                                           # dominates a 1-layer drafter's step: on the embedded
                                           # default 4096 (counted over the verifier's argmax)
@@ -159,11 +167,14 @@ def lr_at(cfg: TrainConfig, step: int, train_s: float) -> float:
 def depth_at(cfg: TrainConfig, step: int, train_s: float) -> int:
     """TTT unroll depth of this step. Depth curriculum: over the first `ttt_ramp` share of the
     training the depth grows linearly from 1 to ttt_steps, so the cheap shallow steps teach
-    position 0 (which every deeper position builds on) before the deep ones are paid for."""
+    position 0 (which every deeper position builds on) before the deep ones are paid for.
+    A parallel drafter starts at 2: its mask state is trained from the first step on (and
+    DDP expects a gradient for every parameter)."""
     if cfg.ttt_ramp <= 0:
         return cfg.ttt_steps
     frac = progress(cfg, step, train_s) / cfg.ttt_ramp
-    return max(1, min(cfg.ttt_steps, 1 + int(frac * cfg.ttt_steps)))
+    least = 2 if cfg.drafting == "parallel" else 1
+    return max(least, min(cfg.ttt_steps, 1 + int(frac * cfg.ttt_steps)))
 
 
 # --- driver-side preparation ------------------------------------------------------------------
@@ -172,6 +183,8 @@ def check_config(cfg: TrainConfig) -> None:
     """Refuse out-of-range settings before anything starts."""
     if not 1 <= cfg.ttt_steps <= 32:
         raise ValueError(f"ttt_steps must be in 1..32, got {cfg.ttt_steps}")
+    if cfg.drafting == "parallel" and cfg.ttt_steps < 2:
+        raise ValueError("a parallel drafter needs ttt_steps >= 2 (step 1 on is its mask slots)")
     for name in ("max_steps", "batch_size", "draft_vocab_size", "log_every", "checkpoint_every",
                  "num_workers", "max_seq_len"):
         if getattr(cfg, name) < 1:
@@ -185,6 +198,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"parallel must be ddp or fsdp, got {cfg.parallel!r}")
     if not 0 < cfg.deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {cfg.deep_fraction}")
+    if not 0 < cfg.cod_ratio <= 1 or not 0 <= cfg.cod_min <= 1:
+        raise ValueError(f"need 0 < cod_ratio <= 1 and 0 <= cod_min <= 1, got {cfg.cod_ratio}, "
+                         f"{cfg.cod_min}")
+    if cfg.drafting not in draft.DRAFTING:
+        raise ValueError(f"drafting must be one of {draft.DRAFTING}, got {cfg.drafting!r}")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
 
@@ -242,7 +260,9 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
             {"draft_vocab_size": len(d2t), "d2t": d2t.tolist(), "counted": counted,
              "coverage": vocab.coverage(counts, t2d)}).encode())
     dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
-                                                  manifest["facts"]["aux_layer_ids"])
+                                                  manifest["facts"]["aux_layer_ids"],
+                                                  drafting=cfg.drafting,
+                                                  mask_token_id=cfg.mask_token_id)
     return {"manifest": manifest, "draft_config": dcfg.to_dict(), "d2t": d2t.tolist(),
             "manifest_hash": checkpoint.manifest_hash(manifest)}
 
@@ -537,7 +557,8 @@ def train_step(cfg: TrainConfig, model, opts, params, teacher, batch: dict, step
         loss, m = ttt.ttt_loss(model, teacher, batch, depth_at(cfg, step, train_s),
                                cfg.step_weight_decay, deep_fraction=cfg.deep_fraction,
                                targets=cfg.targets, checkpoint_attention=ckpt,
-                               checkpoint_logits=ckpt)
+                               checkpoint_logits=ckpt, cod_ratio=cfg.cod_ratio,
+                               cod_min=cfg.cod_min)
     for opt in opts:
         opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -684,7 +705,7 @@ def finish(cfg: TrainConfig, setup: dict, weights: dict, state: dict) -> None:
     final = next((m for m in reversed(state["history"]) if "eval/accept_len" in m),
                  state["history"][-1] if state["history"] else {})
     meta = {"ttt_steps": cfg.ttt_steps, "step_weight_decay": cfg.step_weight_decay,
-            "deep_fraction": cfg.deep_fraction,
+            "deep_fraction": cfg.deep_fraction, "drafting": cfg.drafting,
             "steps": state["step"], "dataset": cfg.dataset,
             "dataset_manifest_hash": setup["manifest_hash"],
             "verifier": cfg.verifier,

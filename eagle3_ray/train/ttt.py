@@ -120,7 +120,7 @@ class DiagonalAttention:
     """The `attend(q, k, v)` of Eagle3Drafter.forward for one TTT unroll. Its first call (step 0)
     stores the step-0 keys/values; call k appends step k's as diagonal terms. Holds references
     only: no growing concatenation of keys across positions. After `select`, the later steps run
-    on a subset of the query positions only."""
+    on a subset of the query positions only (a subset of the last one's: COD)."""
 
     def __init__(self, attention_mask: torch.Tensor, checkpoint_core: bool = True):
         s = attention_mask.shape[1]
@@ -136,14 +136,16 @@ class DiagonalAttention:
         self.kd: list[torch.Tensor] = []
         self.vd: list[torch.Tensor] = []
 
-    def select(self, sel: torch.Tensor) -> None:
-        """From the next step on, the queries are the positions sel [B, n] (ascending per row;
-        after step 0, before any diagonal step)."""
-        assert self.k0 is not None and not self.kd, "select between step 0 and step 1"
+    def select(self, sub: torch.Tensor, at: torch.Tensor) -> None:
+        """From the next step on, the queries are the current query rows sub [B, n] (ascending
+        per row), at sequence positions at [B, n]; the diagonal keys so far follow them."""
         s = self.allowed.shape[-1]
-        rows = self.allowed.gather(1, sel[:, :, None].expand(-1, -1, s))  # [B, n, S]
+        rows = self.allowed.gather(1, at[:, :, None].expand(-1, -1, s))   # [B, n, S]
         self.hidden_keys = ~rows[:, None, None]                            # [B, 1, 1, n, S]
-        self.key_limit = tuple((sel.amax(0) + 1).tolist())  # rows ascending: nondecreasing
+        self.key_limit = tuple((at.amax(0) + 1).tolist())  # rows ascending: nondecreasing
+        idx = sub[:, None, :, None]                                        # [B, 1, n, 1]
+        self.kd = [x.gather(2, idx.expand(-1, x.shape[1], -1, x.shape[3])) for x in self.kd]
+        self.vd = [x.gather(2, idx.expand(-1, x.shape[1], -1, x.shape[3])) for x in self.vd]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k0 is None:
@@ -216,7 +218,8 @@ TARGETS = ("soft", "hard")
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
              chunk_size: int = 512, checkpoint_attention: bool = True,
              deep_fraction: float = 1.0, generator=None, targets: str = "soft",
-             checkpoint_logits: bool = True, loss_steps: int | None = None):
+             checkpoint_logits: bool = True, loss_steps: int | None = None,
+             cod_ratio: float = 1.0, cod_min: float = 0.0):
     """The TTT unroll of `model` (an Eagle3Drafter, or a DDP wrapper of one: the steps go
     through its forward) on one batch -> (loss, metrics).
 
@@ -240,14 +243,32 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     in backward (memory linear in depth, one chunk of logits at a time) or keep them (no second
     pass: cheaper where compute, not memory, is short, as on CPUs).
     loss_steps: only steps 0..loss_steps-1 enter the loss (default: all); the steps past them
-    are unrolled and measured only (train.evaluate's probe past the trained depth)."""
+    are unrolled and measured only (train.evaluate's probe past the trained depth).
+    cod_ratio < 1: COD sampling (P-EAGLE's conditional drop-token): step k >= 1 runs on a share
+    deep_fraction * cod_ratio**(k-1) of the positions, never below cod_min (nor above
+    deep_fraction), each step's positions a uniform subset of the step before's.
+    A parallel drafter (drafter.config.drafting == "parallel") is unrolled the same way, with
+    steps k >= 1 fed mask slots (token mask_token_id, hidden fc(mask_hidden)) instead of the
+    data's token and the step before's state: what it sees when serving, where all k drafts
+    come from one forward. The diagonal attention is then exactly its causal attention over
+    the k slots of one round."""
     if targets not in TARGETS:
         raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
     if not 0 < deep_fraction <= 1:
         raise ValueError(f"deep_fraction must be in (0, 1], got {deep_fraction}")
+    if not 0 < cod_ratio <= 1 or not 0 <= cod_min <= 1:
+        raise ValueError(f"need 0 < cod_ratio <= 1 and 0 <= cod_min <= 1, got {cod_ratio}, "
+                         f"{cod_min}")
+
+    def deep_share(k: int) -> float:  # the share of positions step k runs on
+        if k == 0:
+            return 1.0
+        return max(deep_fraction * cod_ratio ** (k - 1), min(cod_min, deep_fraction))
+
     drafter = getattr(model, "module", model)
+    parallel = drafter.config.parallel
     dtype = drafter.fc.weight.dtype
     ids = batch["input_ids"].long()                                        # [B, S]
     b, s = ids.shape
@@ -286,7 +307,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     hidden, losses = aux, []
     chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
     sums = {key: [] for key in COUNT_KEYS}
-    sel = keep = None                                  # the deep selection, once made
+    sel = keep = None                # once selected: the query rows' positions t [B, n], real
     for k in range(ttt_steps):
         tokens = shift_left(ids, 1 + k, 0)                                 # [B, S] token t+1+k
         rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
@@ -297,7 +318,11 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             rows = rows.gather(1, sel).masked_fill(~keep, -1)
             learn = learn.gather(1, sel).masked_fill(~keep, -1)
             agree_k = agree_k.gather(1, sel)
-        hidden = model(tokens, hidden, positions + k, attend=attend)       # [B, S|n, H]
+        if parallel and k > 0:       # P-EAGLE: mask slots, blind to the drafts before them
+            hidden = model(tokens[:, :0], aux[:, :0], positions + k, attend=attend,
+                           masked=tokens.shape[1])                         # [B, n, H]
+        else:
+            hidden = model(tokens, hidden, positions + k, attend=attend)   # [B, S|n, H]
         loss_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
                                     checkpoint_logits)
         valid, learnable = rows >= 0, learn >= 0
@@ -313,14 +338,18 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             chain = chain & agree_k        # step k+1 is conditioned on a served-like chain only
             sums["loss_count"].append(learnable.sum())
             sums["loss_sum"].append(loss_sum.detach().double())
-        if k == 0 and ttt_steps > 1 and deep_fraction < 1:
-            useful = torch.zeros_like(valid)
-            for j in range(1, ttt_steps):         # some deep step has a loss there
-                useful |= shift_left(learn_row, 1 + j, -1) >= 0
-            sel, keep = deep_selection(useful, deep_fraction, generator)
-            hidden = hidden.gather(1, sel[..., None].expand(-1, -1, hidden.shape[-1]))
-            positions, chain = (x.gather(1, sel) for x in (positions, chain))
-            attend.select(sel)
+        if k + 1 < ttt_steps and deep_share(k + 1) < deep_share(k):       # fewer rows from k+1
+            at = positions                                                 # [B, n]: t per row
+            useful = torch.zeros_like(valid)      # some step from k+1 on has a loss there
+            for j in range(k + 1, ttt_steps):
+                useful |= shift_left(learn_row, 1 + j, -1).gather(1, at) >= 0
+            if keep is not None:
+                useful &= keep
+            sub, keep = deep_selection(useful, deep_share(k + 1) / deep_share(k), generator)
+            sel = at.gather(1, sub)                                        # [B, n']
+            hidden = hidden.gather(1, sub[..., None].expand(-1, -1, hidden.shape[-1]))
+            positions, chain = (x.gather(1, sub) for x in (positions, chain))
+            attend.select(sub, sel)
     weights = [step_weight_decay ** k for k in range(min(ttt_steps, loss_steps or ttt_steps))]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each

@@ -18,15 +18,18 @@ def fp32(monkeypatch):
     monkeypatch.setenv("EAGLE3_RAY_NATIVE_BF16", "0")
 
 
+def save_untrained(spec: str, out: str, drafting: str = "chain", cond: float = 0.5) -> str:
+    drafter, _ = draft.untrained_drafter(spec, draft_vocab_size=2000, drafting=drafting)
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
+    final = {f"eval/cond_acc_{k}": cond for k in range(4)}   # the dynamic-depth prior
+    checkpoint.save_drafter(out, state, drafter.config,
+                            {"ttt_steps": 2, "verifier": spec, "final_metrics": final})
+    return out
+
+
 @pytest.fixture
 def drafter_dir(tiny_verifier, tmp_path):
-    drafter, _ = draft.untrained_drafter(tiny_verifier, draft_vocab_size=2000)
-    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
-    final = {f"eval/cond_acc_{k}": 0.5 for k in range(4)}   # the dynamic-depth prior
-    out = str(tmp_path / "drafter")
-    checkpoint.save_drafter(out, state, drafter.config,
-                            {"ttt_steps": 2, "verifier": tiny_verifier, "final_metrics": final})
-    return out
+    return save_untrained(tiny_verifier, str(tmp_path / "drafter"))
 
 
 def test_hf_generate_matches_speculator_depth0(fp32, tiny_verifier, tiny_tokenizer, one_thread):
@@ -127,3 +130,29 @@ def test_bench_serve_leaves_out_tree_arms_its_host_cannot_run_exactly(
     assert r["refused_arms"]["arms"] == left_out
     assert "use chains" in r["refused_arms"]["why"]
     assert f"tree arms {left_out} left out" in capsys.readouterr().out
+
+
+def test_bench_serve_parallel_drafter_arms(fp32, tiny_verifier, drafter_dir, tmp_path, one_thread):
+    """--parallel-drafter: arms parallel{d} decode with the parallel drafter on the same verifier
+    in the same interleaved run, exactly (output = depth 0's), one drafter forward a round; the
+    teacher-forced acceptance of both drafters is reported beside; a chain drafter is refused."""
+    par = save_untrained(tiny_verifier, str(tmp_path / "parallel"), "parallel", cond=0.3)
+    out = str(tmp_path / "bench")
+    r = bench_serve.bench_serve(drafter_dir, depths=(0, 2, 4), prompts=1, max_tokens=8,
+                                out_dir=out, spec=tiny_verifier, dynamic=False, peers=False,
+                                lookup_depths=(), parallel_drafter=par)
+    assert r["all_identical"] and r["parallel_drafter"] == par
+    for d in (2, 4):
+        row = r["runs"][f"parallel{d}"]
+        assert row["parallel_depth"] == d and row["mean_depth"] == d and row["rounds"] > 0
+        assert row["drafted_per_position"][:d] == [row["rounds"]] * d
+        assert row["predicted_tokens_per_s"] > 0 and "predicted_error" in row
+    plan = r["planner"]["parallel"]
+    assert len(plan["cond_acc"]) == 4 and plan["why"] and plan["max_abs_error"] >= 0
+    assert r["best_parallel"] in ("parallel2", "parallel4") and "parallel_note" in r
+    assert r["teacher_forced"] == {"chain": [0.5] * 4, "parallel": [0.3] * 4}
+    assert os.path.getsize(os.path.join(out, "serve.png")) > 0
+    with pytest.raises(ValueError, match="not a parallel drafter"):
+        bench_serve.bench_serve(drafter_dir, depths=(0, 2), prompts=1, max_tokens=4, out_dir=out,
+                                spec=tiny_verifier, dynamic=False, peers=False,
+                                parallel_drafter=drafter_dir)

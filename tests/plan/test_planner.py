@@ -50,7 +50,7 @@ def test_comm_formula_hand_computed():
     assert P.comm_s(p, 3) == pytest.approx(0.509e-3)
     assert P.verify_s(p, 3) == pytest.approx(14e-3 + 0.509e-3)
     sharded = profile(gpus=4, interconnect=P.Interconnect(50.0, 10.0, 10, 1000, 2),
-                      draft_allreduces=3)
+                      draft_collectives=3)
     assert P.draft_s(sharded) == pytest.approx(1e-3 + 3 * 50.3e-6)
 
 
@@ -144,7 +144,7 @@ def test_train_costs():
 # --- profiles ---------------------------------------------------------------------------------
 
 def test_profile_yaml_round_trip_and_errors(tmp_path):
-    p = profile(gpus=8, interconnect=P.Interconnect(40.0, 16.0, 124, 7168, 2), draft_allreduces=2)
+    p = profile(gpus=8, interconnect=P.Interconnect(40.0, 16.0, 124, 7168, 2), draft_collectives=2)
     path = str(tmp_path / "p.yaml")
     P.save_profile(p, path)
     q = P.load_profile(path)
@@ -183,9 +183,14 @@ def test_packaged_profiles_load_and_pcie_goes_deeper():
         assert ys == sorted(ys) and max(p.verify_ms) >= 33
         assert 1 <= P.best_depth(DECAYING, p, 32) <= 8
         assert 2 <= P.best_depth([0.9] * 32, p, 32) <= 16
+        # the drafter runs at the verifier's TP (vLLM V1, SGLang): 4 collectives a forward
+        assert p.draft_collectives == 4 and p.draft_parallel_ms
+        assert P.draft_s(p) > p.draft_step_ms / 1e3
     pcie = P.plan(DECAYING, P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5"))
     nvl = P.plan(DECAYING, P.load_profile("nvlink-8x-h100-kimi-k2.5"))
-    assert pcie["best_depth"] > nvl["best_depth"]
+    assert pcie["best_depth"] >= nvl["best_depth"]
+    assert P.best_depth([0.8] * 32, P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5"), 32) > \
+        P.best_depth([0.8] * 32, P.load_profile("nvlink-8x-h100-kimi-k2.5"), 32)
     assert pcie["best"]["speedup"] > nvl["best"]["speedup"] > 1
     share = [r["depths"][0]["comm_ms"] / r["depths"][0]["round_ms"] for r in (pcie, nvl)]
     assert share[0] > share[1]
@@ -315,7 +320,11 @@ def test_plan_cli_end_to_end(tmp_path, capsys):
     assert len(r["depths"]) == 13 and r["compare"]["profile"] == "nvlink-8x-h100-kimi-k2.5"
     assert r["best_depth"] == P.best_depth(DECAYING[:4], P.load_profile(
         "pcie-8x-rtx-pro-6000-kimi-k2.5"), 12)
-    assert r["best_depth"] > r["compare"]["best_depth"]
+    assert r["best_depth"] >= r["compare"]["best_depth"]
+    assert r["best"]["speedup"] > r["compare"]["best"]["speedup"]
+    assert r["drafting"] == "chain" and r["drafting_choice"]["choice"] == "chain"
+    assert r["other_kind"]["drafting"] == "parallel"                # the what-if, labelled
+    assert "WHAT-IF" in r["other_kind"]["acceptance"]["source"]
     assert r["depths"][5]["extrapolated"] and not r["depths"][4]["extrapolated"]
     assert "ttt_steps_step_s" in r and r["comparison"]
     printed = capsys.readouterr().out
@@ -353,6 +362,19 @@ def test_dynamic_depth_follows_the_request_acceptance():
     history += [Round(drafted=dd.depths[-1], accepted=0) for _ in range(400)]
     assert dd(history) == 0
     assert dd.seen == len(history) and len(dd.depths) == 3
+
+
+def test_dynamic_depth_prices_the_drafters_kind():
+    """The same acceptance on a node where each drafter forward is dear: a chain's round pays
+    one forward per draft, a parallel drafter's one in all, so its policy goes deeper."""
+    import dataclasses
+    pcie, _ = two_nodes()
+    dear = dataclasses.replace(pcie, draft_step_ms=3.0, draft_parallel_ms={1: 3.0, 16: 3.2})
+    chain = P.DynamicDepth(dear, [0.7], max_depth=16)([])
+    par = P.DynamicDepth(dear, [0.7], max_depth=16, drafting="parallel")([])
+    assert par > chain >= 1
+    with pytest.raises(ValueError, match="drafting"):
+        P.DynamicDepth(dear, [0.7], max_depth=16, drafting="tree")
 
 
 def test_dynamic_depth_keeps_a_measured_position_and_leaves_lookup_rounds_out():
@@ -448,9 +470,9 @@ def test_packaged_curve_profile_moves_the_best_depth():
     levels = [0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
     best = {n: [P.best_depth([a] * 32, p, 32) for a in levels] for n, p in (("ab", ab),
                                                                            ("cu", cu))}
-    assert best["ab"] == [1, 2, 2, 3, 3, 4, 6, 10]
-    assert best["cu"] == [0, 0, 1, 1, 2, 3, 4, 9]
-    assert P.best_depth(DECAYING, ab, 32) == 3 and P.best_depth(DECAYING, cu, 32) == 1
+    assert best["ab"] == [2, 2, 3, 4, 5, 6, 8, 14]
+    assert best["cu"] == [0, 1, 1, 1, 2, 3, 5, 10]
+    assert P.best_depth(DECAYING, ab, 32) == 3 and P.best_depth(DECAYING, cu, 32) == 2
     r = P.plan(DECAYING, cu)
     assert any("extrapolated from the curve" in w and "from depth 4 on" in w
                for w in r["warnings"])
@@ -465,10 +487,10 @@ def test_plan_sweep_cli(tmp_path, capsys):
     assert rc == 0
     r = json.load(open(out / "sweep.json"))
     assert [row["acceptance"] for row in r["rows"]] == [0.6, 0.8, 0.9]
-    assert [row[PCIE]["best_depth"] for row in r["rows"]] == [2, 3, 6]
-    assert [row[PCIE_CURVE]["best_depth"] for row in r["rows"]] == [0, 2, 4]
+    assert [row[PCIE]["best_depth"] for row in r["rows"]] == [2, 5, 8]
+    assert [row[PCIE_CURVE]["best_depth"] for row in r["rows"]] == [1, 2, 5]
     printed = capsys.readouterr().out
-    assert "| 0.8 | 3 | x1.68 | 2 | x1.14 |" in printed and "measured curve" in printed
+    assert "| 0.8 | 5 | x2.06 | 2 | x1.18 |" in printed and "measured curve" in printed
     rc = cli.main(["plan", "--sweep", "1.5", "--profile", PCIE, "--out", str(out)])
     assert rc == 2 and "[0, 1]" in capsys.readouterr().err
 

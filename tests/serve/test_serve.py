@@ -21,8 +21,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 
 
-def save_untrained(spec: str, out: str, ttt_steps: int = 2) -> str:
-    drafter, _ = draft.untrained_drafter(spec, draft_vocab_size=2000)
+def save_untrained(spec: str, out: str, ttt_steps: int = 2, drafting: str = "chain") -> str:
+    drafter, _ = draft.untrained_drafter(spec, draft_vocab_size=2000, drafting=drafting)
     state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
     checkpoint.save_drafter(out, state, drafter.config, {"ttt_steps": ttt_steps, "verifier": spec})
     return out
@@ -318,6 +318,24 @@ def test_engine_dynamic_depth_over_a_simulated_interconnect(tiny_verifier, tmp_p
     assert spec["mean_depth"] == sum(policy.depths[:len(rounds) - 1]) / (len(rounds) - 1)
     fixed = serve.ChatRequest(model=MODEL, messages=req.messages, speculation_depth=2)
     assert eng.sampling(fixed, len(prompt))[1] == 2
+
+
+def test_engine_dynamic_depth_prices_a_parallel_drafters_rounds(tiny_verifier, tmp_path,
+                                                                one_thread):
+    """A parallel drafter served with dynamic depth: the replica also times its one-forward
+    rounds (draft_parallel_ms) and the policy prices rounds as parallel; output unchanged."""
+    from eagle3_ray.plan import planner
+    drafter = save_untrained(tiny_verifier, str(tmp_path / "p"), drafting="parallel")
+    eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
+                                   max_depth=4, dynamic_depth=True, torch_threads=1))
+    assert set(eng.depth_profile.draft_parallel_ms) == {1, 2, 4}
+    req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                            temperature=0, max_tokens=8)
+    prompt = eng.prompt_ids(req)
+    sp, policy, _ = eng.sampling(req, len(prompt))
+    assert isinstance(policy, planner.DynamicDepth) and policy.drafting == "parallel"
+    out = [t for r in eng.spec.generate(prompt, sp, policy) for t in r.tokens]
+    assert out == [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
 
 
 def test_engine_lookup_fallback_on_by_default_and_off(tiny_verifier, tmp_path, one_thread):

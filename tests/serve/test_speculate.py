@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | None = None,
-              head_scale: float = 30.0, seed: int = 0):
+              head_scale: float = 30.0, seed: int = 0, drafting: str = "chain"):
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
@@ -24,7 +24,8 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
     vd = draft_vocab or vocab
-    c = DraftConfig.from_verifier_config(cfg, vd, [1, layers // 2, layers - 1])  # ids >= 1
+    c = DraftConfig.from_verifier_config(cfg, vd, [1, layers // 2, layers - 1],  # ids >= 1
+                                         drafting=drafting)
     drafter = Eagle3Drafter(c).eval()
     drafter.t2d[:vd] = True  # draft ids = the first vd target ids (d2t = 0)
     return model, drafter
@@ -304,8 +305,10 @@ def chi2(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
 LOOKUP_ALWAYS = speculate.LookupParams(min_n=1, max_n=2, below=1.01)   # whenever it matches
 
 
-@pytest.mark.parametrize("top_p,lookup", [(1.0, None), (0.8, None), (1.0, LOOKUP_ALWAYS)])
-def test_sampling_matches_the_verifier_distribution(top_p, lookup):
+@pytest.mark.parametrize("top_p,lookup,drafting", [
+    (1.0, None, "chain"), (0.8, None, "chain"), (1.0, LOOKUP_ALWAYS, "chain"),
+    (1.0, None, "parallel")])
+def test_sampling_matches_the_verifier_distribution(top_p, lookup, drafting):
     """Rejection sampling keeps the verifier's distribution: the tokens at steps 1-3 over many
     seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
     the drafter's own proposals (what an accept-everything bug would emit) clearly do not.
@@ -313,7 +316,8 @@ def test_sampling_matches_the_verifier_distribution(top_p, lookup):
     vocab, n, steps, temp = 12, 800, 3, 1.0
     # 4 layers: the smallest verifier with 3 distinct aux ids >= 1 (verifier.check_layer_ids);
     # seed 3: a drafter far enough from this verifier for the power check below
-    model, drafter = tiny_pair(vocab=vocab, layers=4, hidden=32, head_scale=12.0, seed=3)
+    model, drafter = tiny_pair(vocab=vocab, layers=4, hidden=32, head_scale=12.0, seed=3,
+                               drafting=drafting)
     spec = Speculator(model, drafter)
     prompt = [1, 5, 7]
     exact = exact_marginals(model, prompt, temp, top_p, steps)
@@ -544,3 +548,45 @@ def test_start_up_check_finds_inexact_kernels_and_trees_are_refused(dtype, make_
     spec = Speculator(model, drafter)
     assert spec.exact["chain"] is False
     assert "serve at depth 0" in spec.inexact_reason("chain")
+
+
+def test_parallel_drafter_drafts_a_round_in_one_forward_and_stays_exact():
+    """A parallel (P-EAGLE) drafter: every round's D drafts come from ONE drafter forward (the
+    round's new tokens plus D-1 mask slots), equal to one causal pass of the drafter over the
+    whole final sequence with the mask slots after the round's position; greedy output equals
+    plain decoding at every depth, with a per-round depth too; trees are refused."""
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300, seed=5, drafting="parallel")
+    spec = Speculator(model, drafter)
+    calls, seen = [], []
+    forward, verify = drafter.forward, spec._verify
+    drafter.forward = lambda *a, **kw: calls.append(kw.get("masked", 0)) or forward(*a, **kw)
+
+    def spy(ids, cache, **kw):
+        seen.append((cache.get_seq_length(), list(ids)))
+        return verify(ids, cache, **kw)
+    spec._verify = spy
+    prompt = list(range(30, 45))
+    sp = SamplingParams(max_tokens=30)
+    base, _ = run(spec, prompt, sp, 0)
+    for depth in (1, 2, 4, 8, 16):
+        calls.clear()
+        seen.clear()
+        out, rounds = run(spec, prompt, sp, depth)
+        assert out == base, depth
+        assert calls == [depth - 1] * (len(rounds) - 1)     # one forward per drafted round
+        seq = prompt + out
+        with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
+                model, spec.layer_ids) as got:
+            model(torch.tensor([seq]))
+            aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, S, 3H]
+        for n, ids in seen[1:]:                             # x = seq[n] at position n
+            with torch.no_grad():
+                h = forward(torch.tensor([seq[1:n + 1]]), aux[:, :n],
+                            torch.arange(n + depth - 1)[None], masked=depth - 1)
+                want = drafter.draft_to_target(drafter.logits(h[0, -depth:]).argmax(-1))
+            assert ids[1:] == want.tolist(), (depth, n)
+    depths = iter([0, 3, 0, 5, 1] + [2] * 40)
+    out, rounds = run(spec, prompt, sp, lambda h: next(depths))
+    assert out == base and [r.drafted for r in rounds[1:6]] == [0, 3, 0, 5, 1]
+    with pytest.raises(ValueError, match="chain drafter"):
+        run(spec, prompt, sp, 2, branches=2)

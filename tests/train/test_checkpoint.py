@@ -568,3 +568,34 @@ def test_exports_round_trip_through_the_engines_readers(trained_like, tiny_verif
     late = torch.cat([t["inputs"][i + 1][0, :-1] for i in r["aux_inputs"]], -1)
     wrong = engine_step0(r, embed, late, tokens)[:, r["targets"]]
     assert not torch.allclose(wrong, ours.double(), rtol=1e-2, atol=1e-2)
+
+
+def test_parallel_drafter_round_trip_and_vllm_export(tmp_path):
+    """A parallel (P-EAGLE) drafter saves its mask_hidden [3H] and mask token, and exports for
+    vLLM by vLLM's reading rules (llama_eagle3.py load_weights: mask_hidden, required when
+    parallel drafting is on; llm_base_proposer: the config's top-level mask_token_id). Other
+    formats have no parallel drafting to target and are refused by name."""
+    cfg = tiny_config(drafting="parallel", mask_token_id=7)
+    state = random_state(cfg)
+    assert state["mask_hidden"].shape == (96,)
+    meta = dict(META, verifier=fake_verifier(tmp_path / "verifier"))
+    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg, meta)
+    loaded, cfg2, _ = checkpoint.load_drafter(d)
+    assert cfg2 == cfg and cfg2.parallel and torch.equal(loaded["mask_hidden"], state["mask_hidden"])
+    weights, config, expected, _ = _export((d, state, cfg), tmp_path, "vllm")
+    assert_same(weights, expected)
+    assert config["mask_token_id"] == 7 and config["parallel_drafting"] is True
+    _check_llama_eagle3_config(config, cfg)
+    bad = {k: v for k, v in state.items() if k != "mask_hidden"}
+    with pytest.raises(ValueError, match="missing mask_hidden"):
+        checkpoint.save_drafter(str(tmp_path / "bad"), bad, cfg, meta)
+    for fmt in ("sglang", "speculators"):
+        with pytest.raises(ValueError, match="parallel .P-EAGLE. drafter exports for vLLM only"):
+            checkpoint.export(d, str(tmp_path / fmt), fmt)
+    # a chain checkpoint (no drafting field: older ones) loads as a chain and exports no keys
+    chain = tiny_config()
+    assert chain.drafting == "chain" and "mask_hidden" not in checkpoint.expected_shapes(chain)
+    with pytest.raises(ValueError, match="drafting"):
+        tiny_config(drafting="tree")
+    with pytest.raises(ValueError, match="mask_token_id"):
+        tiny_config(drafting="parallel", mask_token_id=100)

@@ -230,3 +230,27 @@ def test_verifier_init_starts_as_the_verifiers_own_layer(tmp_path):
     assert not torch.equal(rand.fc.weight, drafter.fc.weight)
     with pytest.raises(ValueError, match="init must be"):
         draft.build_drafter(str(tmp_path), c, d2t, t2d, init="zeros")
+
+
+def test_mask_slots_are_the_mask_token_on_the_learned_mask_state():
+    """forward(masked=m) appends m slots whose token is mask_token_id and whose hidden is
+    fc(mask_hidden): the same as passing those inputs explicitly. A chain drafter has no
+    mask state and refuses mask slots."""
+    torch.manual_seed(0)
+    c = draft.DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, intermediate_size=64, vocab_size=50, draft_vocab_size=50,
+                          drafting="parallel")
+    m = draft.Eagle3Drafter(c).double()
+    assert c.mask_token_id == 49 and m.mask_hidden.shape == (96,)
+    ids, aux = torch.randint(0, 50, (2, 5)), torch.randn(2, 5, 96, dtype=torch.float64)
+    pos = torch.arange(8)[None].expand(2, 8)
+    got = m(ids, aux, pos, masked=3)                                       # [2, 8, H]
+    explicit = torch.cat([ids, torch.full((2, 3), 49)], 1)
+    hidden = torch.cat([aux, m.mask_hidden.expand(2, 3, 96)], 1)
+    assert torch.allclose(got, m(explicit, hidden, pos), atol=1e-12)
+    assert torch.allclose(got[:, :5], m(ids, aux, pos[:, :5]), atol=1e-12)  # causal
+    chain = draft.Eagle3Drafter(draft.DraftConfig(**{**c.to_dict(), "drafting": "chain",
+                                                     "mask_token_id": None}))
+    assert not hasattr(chain, "mask_hidden")
+    with pytest.raises(ValueError, match="parallel drafter"):
+        chain(ids, aux.float(), pos, masked=3)

@@ -14,12 +14,13 @@ B, S, V, VD = 2, 12, 50, 20
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(seed=0, dtype=torch.float64):
+def tiny(seed=0, dtype=torch.float64, drafting="chain"):
     """A tiny drafter + teacher + batch: right padding in sample 1, masked positions, a draft
     vocab that misses some teacher argmaxes."""
     g = torch.Generator().manual_seed(seed)
     c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    intermediate_size=48, vocab_size=V, draft_vocab_size=VD, rope_theta=100.0)
+                    intermediate_size=48, vocab_size=V, draft_vocab_size=VD, rope_theta=100.0,
+                    drafting=drafting)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(c).to(dtype)
     with torch.no_grad():  # bigger weights than the 0.02 init so every term matters
@@ -27,6 +28,8 @@ def tiny(seed=0, dtype=torch.float64):
             if p.requires_grad and p.dim() == 2:
                 p.normal_(0, 0.3, generator=g)
         drafter.norm.weight.uniform_(0.5, 1.5, generator=g)
+        if drafting == "parallel":
+            drafter.mask_hidden.normal_(0, 1.0, generator=g)
     target_ids = torch.sort(torch.randperm(V, generator=g)[:VD]).values       # [Vd]
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[target_ids] = True
@@ -443,3 +446,96 @@ def test_32_steps_run_and_empty_steps_keep_the_graph():
     loss0, m0 = ttt.ttt_loss(drafter, teacher.float(), empty, 2)
     loss0.backward()
     assert float(loss0) == 0.0 and m0["count"] == [0, 0]
+
+
+def served_parallel_loss(drafter, batch, full, steps, decay, ran=None):
+    """Reference for a parallel drafter: for each position t and depth k, the forward a server
+    runs (tokens 1..t+1 on aux states 0..t, then k mask slots, plain causal attention) and its
+    last slot's prediction of token t+2+k, against the teacher at t+1+k. ran[k]: the [B, S]
+    positions step k counts (default all) -> (loss, learnable positions per step)."""
+    c = drafter.config
+    ids, att = batch["input_ids"], batch["attention_mask"].bool()
+    logits_full = rms_norm(batch["last_hidden_states"], full["norm"], c.rms_norm_eps) \
+        @ full["head"].T                                                      # [B, S, V]
+    p = logits_full[..., full["target_ids"]].softmax(-1)                      # [B, S, Vd]
+    ok = batch["loss_mask"].bool() & att & full["t2d"][logits_full.argmax(-1)]
+    losses, counts = [], []
+    for k in range(steps):
+        total, n = 0.0, 0
+        for b in range(len(ids)):
+            for t in range(S - 1 - k):
+                if not ok[b, t + 1 + k] or (ran is not None and not ran[k][b, t]):
+                    continue
+                h = drafter(ids[b, 1:t + 2][None], batch["aux_hidden_states"][b, :t + 1][None],
+                            torch.arange(t + 1 + k)[None], masked=k)[0, -1]   # [H]
+                total = total - (p[b, t + 1 + k] * drafter.logits(h).log_softmax(-1)).sum()
+                n += 1
+        losses.append(total / max(n, 1))
+        counts.append(n)
+    w = [decay ** k for k in range(steps)]
+    return sum(wi * li for wi, li in zip(w, losses)) / sum(w), counts
+
+
+class Recorder(torch.nn.Module):
+    """A DDP-like wrapper that records the positions each unroll step ran on."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.module, self.positions = m, []
+
+    def forward(self, tokens, hidden, positions, **kw):
+        self.positions.append(positions - len(self.positions))              # t, not t + k
+        return self.module(tokens, hidden, positions, **kw)
+
+
+@pytest.mark.parametrize("cod", [False, True])
+def test_parallel_unroll_is_the_served_forward(cod):
+    """A parallel (P-EAGLE) drafter's unroll computes, at every position and depth, what serving
+    runs: one causal forward over the context and k mask slots. Loss and gradients (mask_hidden
+    included) equal that reference, also with COD sampling, whose deep steps run on shrinking
+    nested position sets (so the diagonal keys of the earlier slots follow the selection)."""
+    drafter, teacher, batch, full = tiny(seed=6, drafting="parallel")
+    steps = 4
+    rec = Recorder(drafter)
+    kw = {}
+    if cod:   # one sample: no row is padded out to another's share, so `ran` is exact
+        batch = {k: v[:1] for k, v in batch.items()}
+        kw = dict(deep_fraction=0.8, cod_ratio=0.5, cod_min=0.1,
+                  generator=torch.Generator().manual_seed(3))
+    loss, m = ttt.ttt_loss(rec, teacher, batch, steps, 0.8, chunk_size=5, **kw)
+    loss.backward()
+    g = grads(drafter)
+    ran = []
+    for pos in rec.positions:
+        r = torch.zeros(len(batch["input_ids"]), S, dtype=torch.bool)
+        ran.append(r.scatter_(1, pos.expand(len(r), -1), True))
+    drafter.zero_grad()
+    ref, counts = served_parallel_loss(drafter, batch, full, steps, 0.8, ran if cod else None)
+    ref.backward()
+    assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12), (loss, ref)
+    for n, v in grads(drafter).items():
+        assert torch.allclose(g[n], v, rtol=1e-8, atol=1e-11), n
+    assert g["mask_hidden"].abs().sum() > 0
+    assert m["loss_count"] == counts and counts[-1] > 0
+    rows = [p.shape[1] for p in rec.positions]
+    if cod:          # shares 1, .8, .4, .2 of the useful positions: fewer rows, nested sets
+        assert rows[0] == S and rows[1] > rows[2] > rows[3]
+        assert all((ran[k + 1] <= ran[k]).all() for k in range(steps - 1))
+    else:
+        assert rows == [S] * steps
+
+
+def test_cod_shares_and_a_chain_with_cod_trains():
+    """cod_ratio / cod_min on a chain drafter: deep steps count fewer positions, step by step,
+    never below the floor; the loss stays finite and differentiable; bad values are refused."""
+    drafter, teacher, batch, _ = tiny(dtype=torch.float32)
+    batch = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}
+    rec = Recorder(drafter)
+    loss, m = ttt.ttt_loss(rec, teacher.float(), batch, 6, deep_fraction=1.0, cod_ratio=0.5,
+                           cod_min=0.3, generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    rows = [p.shape[1] for p in rec.positions]
+    assert rows[0] == rows[1] == S and rows[2] < rows[1] and rows[-1] == rows[-2] > 0
+    assert math.isfinite(float(loss)) and drafter.fc.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="cod_ratio"):
+        ttt.ttt_loss(drafter, teacher, batch, 3, cod_ratio=0.0)
