@@ -152,3 +152,52 @@ def make_inexact(monkeypatch):
     monkeypatch.undo()
     AttentionInterface.register(kernels.INVARIANT_ATTENTION, kernels.batch_invariant_attention)
     AttentionInterface.register(kernels.TREE_ATTENTION, kernels.tree_attention)
+
+
+def _train_tiny_drafter(spec: str, out: str, prompts: list[list[int]], steps: int = 40,
+                        depth: int = 3, draft_vocab: int = 256, drafting: str = "chain",
+                        new_tokens: int = 40) -> str:
+    """A drafter trained in-process for `steps` TTT steps (unroll `depth`, hard targets) on the
+    verifier's own greedy continuations of `prompts` (so its drafts get accepted when serving
+    them), its draft vocab the `draft_vocab` most frequent tokens there, saved as a real
+    checkpoint. Run it with few torch threads: it is small."""
+    import numpy as np
+    from eagle3_ray.engine import hf as verifier
+    from eagle3_ray.train import checkpoint, draft, ttt, vocab
+    model = verifier.load_verifier(spec, dtype=torch.float32)
+    with torch.no_grad():
+        seqs = [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                               attention_mask=torch.ones(1, len(p), dtype=torch.long))[0]
+                for p in prompts]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], att[i, :len(s)] = s, 1
+    layer_ids = verifier.default_aux_layer_ids(model.config.num_hidden_layers)
+    aux, last, greedy = verifier.forward_hidden(model, ids, att, layer_ids)
+    counts = np.bincount(torch.cat([ids[att.bool()], greedy[att.bool()]]).numpy(),
+                         minlength=model.config.vocab_size)
+    c = draft.DraftConfig.from_verifier_config(model.config, draft_vocab, layer_ids,
+                                               drafting=drafting)
+    drafter, teacher = draft.build_drafter(spec, c, *vocab.build_mapping(counts, draft_vocab),
+                                           teacher_check=False)
+    batch = {"input_ids": ids, "attention_mask": att, "loss_mask": att,   # out of inference mode
+             "aux_hidden_states": aux.flatten(2).clone(), "last_hidden_states": last.clone(),
+             "target_ids": greedy.clone()}
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        loss, metrics = ttt.ttt_loss(drafter, teacher, batch, depth, targets="hard")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = {k: v.detach() for k, v in drafter.state_dict().items()
+             if not k.startswith("embed_tokens")}
+    return checkpoint.save_drafter(out, state, drafter.config,
+                                   {"ttt_steps": depth, "verifier": spec, "steps": steps,
+                                    "final_metrics": {"train/loss": metrics["loss"]}})
+
+
+@pytest.fixture(scope="session")
+def train_tiny_drafter():
+    """_train_tiny_drafter, for tests that serve a drafter which must get drafts accepted."""
+    return _train_tiny_drafter

@@ -362,49 +362,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_drafter(spec: str, out: str, prompts: list[list[int]], steps: int = 40,
-                  draft_vocab: int = 256) -> str:
-    """A drafter trained in-process for `steps` TTT steps (ttt_steps 3, hard targets) on the
-    verifier's own greedy continuations of `prompts`, its draft vocab the `draft_vocab` most
-    frequent tokens there, saved as a real checkpoint."""
-    from eagle3_ray.engine import hf as verifier
-    from eagle3_ray.train import draft, ttt
-    model = verifier.load_verifier(spec, dtype=torch.float32)
-    seqs = []
-    with torch.no_grad():
-        for p in prompts:
-            seqs.append(model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False,
-                                       attention_mask=torch.ones(1, len(p), dtype=torch.long))[0])
-    n = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), n, dtype=torch.long)
-    att = torch.zeros(len(seqs), n, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)], att[i, :len(s)] = s, 1
-    layer_ids = verifier.default_aux_layer_ids(model.config.num_hidden_layers)
-    aux, last, greedy = verifier.forward_hidden(model, ids, att, layer_ids)
-    counts = np.bincount(torch.cat([ids[att.bool()], greedy[att.bool()]]).numpy(),
-                         minlength=model.config.vocab_size)
-    c = DraftConfig.from_verifier_config(model.config, draft_vocab, layer_ids)
-    drafter, teacher = draft.build_drafter(spec, c, *vocab.build_mapping(counts, draft_vocab),
-                                           teacher_check=False)
-    batch = {"input_ids": ids, "attention_mask": att, "loss_mask": att,   # out of inference mode
-             "aux_hidden_states": aux.flatten(2).clone(), "last_hidden_states": last.clone(),
-             "target_ids": greedy.clone()}
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    for _ in range(steps):
-        loss, metrics = ttt.ttt_loss(drafter, teacher, batch, DEPTH, targets="hard")
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    state = {k: v.detach() for k, v in drafter.state_dict().items()
-             if not k.startswith("embed_tokens")}
-    return checkpoint.save_drafter(out, state, drafter.config,
-                                   {"ttt_steps": DEPTH, "verifier": spec, "steps": steps,
-                                    "final_metrics": {"train/loss": metrics["loss"]}})
-
-
 @pytest.fixture(scope="module")
-def served(ray_cluster, vllm_verifier, tmp_path_factory):
+def served(ray_cluster, vllm_verifier, tmp_path_factory, train_tiny_drafter):
     """(base URL, prompt ids per question) of the vLLM app, shut down after the module."""
     why = missing_engine_env()
     if why:
@@ -418,8 +377,9 @@ def served(ray_cluster, vllm_verifier, tmp_path_factory):
     threads, t0 = torch.get_num_threads(), time.perf_counter()
     torch.set_num_threads(1)
     try:
-        drafter = train_drafter(vllm_verifier, str(tmp_path_factory.mktemp("vsrv") / "drafter"),
-                                prompts)
+        drafter = train_tiny_drafter(vllm_verifier,
+                                     str(tmp_path_factory.mktemp("vsrv") / "drafter"), prompts,
+                                     depth=DEPTH)
     finally:
         torch.set_num_threads(threads)
     cfg = ServeConfig(verifier=vllm_verifier, drafter=drafter, model_name=MODEL, depth=DEPTH,
