@@ -495,6 +495,14 @@ def _peer_rows(peer_runs: dict, peer_ks: dict, depth0: dict, depth0_outputs: lis
     return rows
 
 
+def _arm_lines(a1, a2, rows: list[dict], x: str, style: str, color: str, label: str) -> None:
+    """One kind of arm across its depths (row[x]): decode tokens/s on a1, tau on a2."""
+    xs = [r[x] for r in rows]
+    a1.plot(xs, [r["decode_tokens_per_s"] for r in rows], style, color=color,
+            label=f"{label} (measured)")
+    a2.plot(xs, [r["acceptance_length"] for r in rows], style, color=color, label=label)
+
+
 def _plot_serve(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -519,19 +527,13 @@ def _plot_serve(result: dict, path: str) -> None:
     par = sorted((r for r in result["runs"].values() if "parallel_depth" in r),
                  key=lambda r: r["parallel_depth"])
     if par:
-        a1.plot([r["parallel_depth"] for r in par], [r["decode_tokens_per_s"] for r in par],
-                "D-", color="#d6a", label="parallel drafter (measured)")
+        _arm_lines(a1, a2, par, "parallel_depth", "D-", "#d6a", "parallel drafter")
         a1.plot([r["parallel_depth"] for r in par], [r["predicted_tokens_per_s"] for r in par],
                 "d:", color="#d6a", label="parallel drafter (predicted)")
-        a2.plot([r["parallel_depth"] for r in par], [r["acceptance_length"] for r in par],
-                "D-", color="#d6a", label="parallel drafter")
     look = sorted((r for r in result["runs"].values() if isinstance(r.get("lookup_depth"), int)),
                   key=lambda r: r["lookup_depth"])
     if look:
-        a1.plot([r["lookup_depth"] for r in look], [r["decode_tokens_per_s"] for r in look],
-                "v-", color="#63a", label="with lookup fallback (measured)")
-        a2.plot([r["lookup_depth"] for r in look], [r["acceptance_length"] for r in look],
-                "v-", color="#63a", label="with lookup fallback")
+        _arm_lines(a1, a2, look, "lookup_depth", "v-", "#63a", "with lookup fallback")
     dyn = result["runs"].get("dynamic")
     dyn_look = result["runs"].get("dynamic-lookup")
     if dyn_look:
