@@ -476,8 +476,7 @@ def plan_acceptances(a) -> dict:
         if kind in out:
             raise ValueError(f"two {kind} acceptance sources ({flag} {src} and the other flag): "
                              f"give one chain and one parallel drafter")
-        cond, known, desc = planner.acceptance_from(src, a.ttt)
-        out[kind] = (cond, known, desc)
+        out[kind] = planner.acceptance_from(src, a.ttt, kind)
     return out
 
 

@@ -962,7 +962,8 @@ def _from_run_dir(path: str) -> tuple[list[float], int, str]:
                      f"(not a training run or drafter dir?)")
 
 
-def _from_json(path: str, ttt_steps: int | None) -> tuple[list[float], int, str]:
+def _from_json(path: str, ttt_steps: int | None,
+               drafting: str = "chain") -> tuple[list[float], int, str]:
     try:
         r = json.load(open(path))
     except json.JSONDecodeError as e:
@@ -977,6 +978,13 @@ def _from_json(path: str, ttt_steps: int | None) -> tuple[list[float], int, str]
         cond = [float(a) for a in runs[key]["cond_acc"]]
         return cond, len(cond), (f"{path}: bench quality, drafter ttt_steps={key}, held-out "
                                  f"positions 0..{len(cond) - 1}")
+    if kind == "serve" and drafting == "parallel":     # bench serve --parallel-drafter's arms
+        cond = ((r.get("planner") or {}).get("parallel") or {}).get("cond_acc")
+        if not cond:
+            raise ValueError(f"{path}: a bench serve run without parallel arms "
+                             "(--parallel-drafter): no parallel drafter's acceptance in it")
+        return [float(a) for a in cond], len(cond), (
+            f"{path}: bench serve, per-position acceptance of its parallel{{d}} arms")
     if kind == "serve" and (r.get("planner") or {}).get("cond_acc"):
         cond = [float(a) for a in r["planner"]["cond_acc"]]
         return cond, len(cond), (f"{path}: bench serve, per-position acceptance counted over "
@@ -1004,13 +1012,15 @@ def _from_json(path: str, ttt_steps: int | None) -> tuple[list[float], int, str]
     raise ValueError(f"{path}: not a bench quality or bench serve result (\"bench\": {kind!r})")
 
 
-def acceptance_from(source: str, ttt_steps: int | None = None) -> tuple[list[float], int, str]:
+def acceptance_from(source: str, ttt_steps: int | None = None,
+                    drafting: str = "chain") -> tuple[list[float], int, str]:
     """-> (conditional acceptance per position, known depth, description) from
       a training run dir or drafter dir     latest eval/cond_acc_k of metrics.jsonl, else
                                             drafter/meta.json final_metrics
       a bench quality JSON                  the run with `ttt_steps` (default: the deepest)
       a bench serve JSON                    per-position counts if present, else a fit to the
-                                            acceptance length at each depth
+                                            acceptance length at each depth (drafting
+                                            "parallel": its --parallel-drafter arms' counts)
       http(s)://host:port[/metrics]         a running eagle3-ray server's Prometheus counters
       "0.8,0.75,0.7"                        a literal list."""
     literal = re.fullmatch(r"\s*[0-9.eE+-]+(\s*,\s*[0-9.eE+-]+)*\s*,?\s*", source)
@@ -1032,7 +1042,7 @@ def acceptance_from(source: str, ttt_steps: int | None = None) -> tuple[list[flo
     if os.path.isdir(source):
         return _from_run_dir(source)
     if os.path.isfile(source):
-        return _from_json(source, ttt_steps)
+        return _from_json(source, ttt_steps, drafting)
     raise FileNotFoundError(f"acceptance source not found: {source} (a training run dir, a "
                             f"bench quality/serve JSON, an http(s) URL of a server, or a list "
                             f"like 0.8,0.7)")

@@ -358,3 +358,17 @@ def test_sweep_kinds_json_shape_and_cli(tmp_path, capsys):
     assert rc == 0 and json.load(open(out / "sweep_kinds.json"))["rows"][0]["pick"] == "parallel"
     rc = cli.main(["plan", "--sweep-kinds", "1.5", "--profile", PCIE, "--out", str(out)])
     assert rc == 2 and "[0, 1]" in capsys.readouterr().err
+
+
+def test_a_bench_serve_json_gives_each_kind_its_own_arms(tmp_path):
+    """bench serve --parallel-drafter keeps the parallel arms' acceptance apart: the chain reads
+    the fixed-depth arms', the parallel kind its own, and a run without parallel arms says so."""
+    import json
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps({"bench": "serve", "runs": {}, "planner": {
+        "cond_acc": [0.4, 0.3], "parallel": {"cond_acc": [0.3, 0.1]}}}))
+    assert P.acceptance_from(str(path))[0] == [0.4, 0.3]
+    assert P.acceptance_from(str(path), drafting="parallel")[0] == [0.3, 0.1]
+    path.write_text(json.dumps({"bench": "serve", "runs": {}, "planner": {"cond_acc": [0.4]}}))
+    with pytest.raises(ValueError, match="without parallel arms"):
+        P.acceptance_from(str(path), drafting="parallel")
