@@ -588,5 +588,8 @@ def test_parallel_drafter_drafts_a_round_in_one_forward_and_stays_exact():
     depths = iter([0, 3, 0, 5, 1] + [2] * 40)
     out, rounds = run(spec, prompt, sp, lambda h: next(depths))
     assert out == base and [r.drafted for r in rounds[1:6]] == [0, 3, 0, 5, 1]
+    echo = prompt + base + prompt                      # the lookup fallback finds n-grams here
+    out, rounds = run(spec, echo, sp, 4, lookup=LOOKUP_ALWAYS)
+    assert out == run(spec, echo, sp, 0)[0] and any(r.lookup for r in rounds)
     with pytest.raises(ValueError, match="chain drafter"):
         run(spec, prompt, sp, 2, branches=2)
