@@ -140,7 +140,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec, num_gpus=num_gpus)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())    # patches `model` (batch invariance)
-    decoders, parallels, pmeta = {}, {}, {}              # arm name -> decoder / depth
+    par, parallels, pmeta = None, {}, {}                 # parallels: arm name -> depth
     if parallel_drafter:
         pdrafter, _, pmeta = load_trained_drafter(parallel_drafter, spec)
         if not pdrafter.config.parallel:
@@ -148,7 +148,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                              "a parallel drafter (train one with --drafting parallel)")
         par = dec.with_drafter(pdrafter.eval())
         parallels = {f"parallel{d}": d for d in depths if d > 0}
-        decoders = {name: par for name in parallels}
+    decoders = {name: par for name in parallels}         # arms another decoder runs
     max_depth = max(depths)
     # the peers run on their own copy: transformers as a user has it (its default attention)
     hf = verifier.load_verifier(spec, dtype=model.dtype, num_gpus=num_gpus) if peers else None
@@ -157,8 +157,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     node = planner.load_profile(simulate) if simulate else None
     before = measure_speculator(dec, max_depth + 1, reps=7)
     ks = sorted(parallels.values())                       # a parallel round's one forward
-    par_ms = [measure_draft_parallel(decoders[f"parallel{ks[-1]}"].drafter, ks, reps=7)] \
-        if parallels else []
+    par_ms = [measure_draft_parallel(par.drafter, ks, reps=7)] if par else []
     profile = _measured_profile(model, node, before)      # what dynamic depth plans with
     if node:
         dec.simulated_comm = functools.partial(planner.comm_s, node)
@@ -174,8 +173,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     # the machine drifts over minutes (shared, turbo): predict with times measured before and
     # after the runs, averaged
     after = measure_speculator(dec, max_depth + 1, reps=7)
-    if parallels:
-        par_ms.append(measure_draft_parallel(decoders[f"parallel{ks[-1]}"].drafter, ks, reps=7))
+    if par:
+        par_ms.append(measure_draft_parallel(par.drafter, ks, reps=7))
     result = {"bench": "serve", "verifier": spec, "drafter": drafter_dir,
               "drafter_ttt_steps": meta.get("ttt_steps"), "prompts": len(ps),
               "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
@@ -308,6 +307,14 @@ def _add_run(s: dict, out: list[int], rounds: list, wall: float, calib: list) ->
                 calib.append((chain, k < r.accepted))
 
 
+def _served_cond(arms: list[dict], positions: int) -> list[float]:
+    """Conditional acceptance per position, counted over these arms' rounds."""
+    from eagle3_ray.plan import planner
+    return planner.cond_from_counts(
+        [sum(s["drafted_at"][k] for s in arms) for k in range(positions)],
+        [sum(s["accepted_at"][k] for s in arms) for k in range(positions)])
+
+
 def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int, calib: list,
                    simulate: str | None, profile, drift: float, parallels: dict) -> dict:
     """serve.json from "runs" to "note": each arm's row, and the planner's prediction from the
@@ -315,17 +322,11 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
     from eagle3_ray.plan import planner
     max_depth = max(depths)
     # acceptance per position over all fixed-depth runs (greedy: it does not depend on depth)
-    fixed = [runs[d] for d in depths]
-    cond = planner.cond_from_counts(
-        [sum(s["drafted_at"][k] for s in fixed) for k in range(max_depth)],
-        [sum(s["accepted_at"][k] for s in fixed) for k in range(max_depth)])
+    cond = _served_cond([runs[d] for d in depths], max_depth)
     pred = planner.plan(cond, profile, max_depth=max_depth)
     preds = {"chain": pred}
     if parallels:     # the parallel drafter's own acceptance and its one-forward rounds
-        par = [runs[name] for name in parallels]
-        cond_par = planner.cond_from_counts(
-            [sum(s["drafted_at"][k] for s in par) for k in range(max_depth)],
-            [sum(s["accepted_at"][k] for s in par) for k in range(max_depth)])
+        cond_par = _served_cond([runs[name] for name in parallels], max_depth)
         preds["parallel"] = planner.plan(cond_par, profile, max_depth=max_depth,
                                          drafting="parallel")
     rows = {str(d): _arm_row(d, s, runs[depths[0]], prompts, trees, lookups, preds, parallels)

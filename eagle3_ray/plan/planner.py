@@ -58,11 +58,11 @@ import re
 from dataclasses import dataclass, field
 
 from eagle3_ray.train import ttt
+from eagle3_ray.train.draft import DRAFTING   # how a round drafts: k forwards, or one of k
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 EXTRAPOLATION_WINDOW = 3      # known positions averaged for the extrapolation base
 EXTRAPOLATION_DECAY = 0.9     # each extrapolated position: base · decay^(distance past known)
-DRAFTING = ("chain", "parallel")   # how a round drafts: k drafter forwards, or one of k tokens
 # Collectives of one drafter forward when the drafter runs at the verifier's tensor-parallel
 # degree (vLLM V1 and SGLang do; the profiles' comments cite the code): the vocab-parallel
 # embedding, attention o_proj and MLP down_proj all-reduces, the lm_head logits gather.
@@ -832,23 +832,19 @@ def format_sweep_drafting(result: dict) -> str:
 
 def drafting_of(source: str) -> str | None:
     """How the drafter behind an acceptance source drafts: a drafter or training run dir says
-    so in its draft_config (config.json's eagle3_ray block, or meta.json), field `drafting`;
-    one written before the field existed is a chain. None for any other source (a JSON, a
-    URL, a list): the flag it was given with decides."""
+    so in config.json's eagle3_ray.draft_config, field `drafting`; one written before the
+    field existed is a chain. None for any other source (a JSON, a URL, a list): the flag it
+    was given with decides."""
     if not os.path.isdir(source):
         return None
     for d in (source, os.path.join(source, "drafter")):
-        for name in ("config.json", "meta.json"):
-            path = os.path.join(d, name)
-            try:
-                j = json.load(open(path))
-            except (OSError, json.JSONDecodeError):
-                continue
-            if not isinstance(j, dict):
-                continue
-            dc = (j.get("eagle3_ray") or {}).get("draft_config") or j.get("draft_config")
-            if isinstance(dc, dict):
-                return dc.get("drafting", "chain")
+        try:
+            j = json.load(open(os.path.join(d, "config.json")))
+        except (OSError, json.JSONDecodeError):
+            continue
+        dc = (j.get("eagle3_ray") or {}).get("draft_config") if isinstance(j, dict) else None
+        if isinstance(dc, dict):
+            return dc.get("drafting", "chain")
     return "chain"
 
 

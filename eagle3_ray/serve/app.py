@@ -42,7 +42,7 @@ from eagle3_ray.train import checkpoint
 # Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
 # serve.parse_metrics stays for the demo and tests that read /metrics.
 from eagle3_ray.plan.planner import parse_metrics  # noqa: F401
-from eagle3_ray.serve.profile import measure_draft_parallel, measure_speculator
+from eagle3_ray.serve.profile import PARALLEL_KS, measure_draft_parallel, measure_speculator
 
 log = logging.getLogger("ray.serve")
 
@@ -268,7 +268,7 @@ def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
         verify_ms, draft_ms = measure_speculator(spec, cfg.max_depth + 1, reps=3)
         parallel_ms = None
         if spec.drafter.config.parallel:   # its round is one forward of `depth` query tokens
-            ks = sorted({1, 2, 4, 8, 16, cfg.max_depth} & set(range(1, cfg.max_depth + 1)))
+            ks = sorted({k for k in PARALLEL_KS if k <= cfg.max_depth} | {cfg.max_depth})
             parallel_ms = measure_draft_parallel(spec.drafter, ks, reps=3)
         profile = planner.single_device_profile("this replica", verify_ms, draft_ms,
                                                 spec.model.config,

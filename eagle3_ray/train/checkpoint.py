@@ -4,7 +4,8 @@ A checkpoint directory holds three files, written atomically (temp dir + rename,
 never leaves a directory that looks complete):
 
     model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V],
-                       mask_hidden [3H] for a parallel drafter; no embed_tokens: the verifier's embedding is frozen and engines share it
+                       mask_hidden [3H] for a parallel drafter; no embed_tokens: the
+                       verifier's embedding is frozen and engines share it
     config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout (engine_config: the
                        top-level aux ids in vLLM's convention, eagle_config's in SGLang's), plus
                        our full DraftConfig under "eagle3_ray"
@@ -187,6 +188,7 @@ def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
         **({"mask_token_id": cfg.mask_token_id, "parallel_drafting": True}
            if cfg.parallel else {}),
     }
+
 
 def _ours(cfg: DraftConfig, **extra) -> dict:
     """Our block inside config.json: the full DraftConfig and the layer-id convention."""

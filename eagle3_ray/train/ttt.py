@@ -307,17 +307,18 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     hidden, losses = aux, []
     chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
     sums = {key: [] for key in COUNT_KEYS}
-    sel = keep = None                # once selected: the query rows' positions t [B, n], real
+    keep = None           # once deep steps run on fewer rows ([B, n]: `positions` holds each
+                          # row's t): which rows are real, not another row's padding
     for k in range(ttt_steps):
         tokens = shift_left(ids, 1 + k, 0)                                 # [B, S] token t+1+k
         rows = shift_left(target_row, 1 + k, -1)                           # [B, S]
         learn = shift_left(learn_row, 1 + k, -1)                           # [B, S]
         agree_k = shift_left(agree, 1 + k, False)                          # [B, S]
-        if sel is not None:                                                # [B, n] from here on
-            tokens = tokens.gather(1, sel)
-            rows = rows.gather(1, sel).masked_fill(~keep, -1)
-            learn = learn.gather(1, sel).masked_fill(~keep, -1)
-            agree_k = agree_k.gather(1, sel)
+        if keep is not None:                                               # [B, n] from here on
+            tokens = tokens.gather(1, positions)
+            rows = rows.gather(1, positions).masked_fill(~keep, -1)
+            learn = learn.gather(1, positions).masked_fill(~keep, -1)
+            agree_k = agree_k.gather(1, positions)
         if parallel and k > 0:       # P-EAGLE: mask slots, blind to the drafts before them
             hidden = model(tokens[:, :0], aux[:, :0], positions + k, attend=attend,
                            masked=tokens.shape[1])                         # [B, n, H]
@@ -339,17 +340,15 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             sums["loss_count"].append(learnable.sum())
             sums["loss_sum"].append(loss_sum.detach().double())
         if k + 1 < ttt_steps and deep_share(k + 1) < deep_share(k):       # fewer rows from k+1
-            at = positions                                                 # [B, n]: t per row
             useful = torch.zeros_like(valid)      # some step from k+1 on has a loss there
             for j in range(k + 1, ttt_steps):
-                useful |= shift_left(learn_row, 1 + j, -1).gather(1, at) >= 0
+                useful |= shift_left(learn_row, 1 + j, -1).gather(1, positions) >= 0
             if keep is not None:
                 useful &= keep
             sub, keep = deep_selection(useful, deep_share(k + 1) / deep_share(k), generator)
-            sel = at.gather(1, sub)                                        # [B, n']
             hidden = hidden.gather(1, sub[..., None].expand(-1, -1, hidden.shape[-1]))
-            positions, chain = (x.gather(1, sub) for x in (positions, chain))
-            attend.select(sub, sel)
+            positions, chain = (x.gather(1, sub) for x in (positions, chain))  # [B, n']
+            attend.select(sub, positions)
     weights = [step_weight_decay ** k for k in range(min(ttt_steps, loss_steps or ttt_steps))]
     loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
     sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
