@@ -85,8 +85,9 @@ def probe_host(spec: str = verifier.EMBEDDED_VERIFIER) -> dict:
     from transformers import DynamicCache
     torch.set_num_threads(os.cpu_count() or 1)
     model = verifier.load_verifier(spec)
-    layers = verifier.default_aux_layer_ids(model.config.num_hidden_layers)
-    ids = torch.arange(512)[None] % model.config.vocab_size                  # [1, 512]
+    text = verifier.text_config(model.config)
+    layers = verifier.default_aux_layer_ids(text.num_hidden_layers)
+    ids = torch.arange(512)[None] % text.vocab_size                  # [1, 512]
     mask = torch.ones_like(ids)
     verifier.forward_hidden(model, ids[:, :64], mask[:, :64], layers)        # warm-up
     t0 = time.perf_counter()

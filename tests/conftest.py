@@ -51,22 +51,8 @@ def make_conversations(n: int) -> list[dict]:
 
 def make_tiny_verifier(d, hidden_size: int = 64, heads: int = 4) -> str:
     """Save a random 8-layer Llama with SmolLM2's tokenizer in directory d."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from eagle3_ray.engine import hf as verifier
-    tok = verifier.load_tokenizer(verifier.EMBEDDED_VERIFIER)
-    cfg = LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=8, num_attention_heads=heads,
-                      num_key_value_heads=heads // 2, vocab_size=len(tok),
-                      max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a confident teacher (peaked next-token distributions) to learn from
-        model.lm_head.weight.mul_(30)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
+    from eagle3_ray.engine import toy
+    return toy.llama(d, hidden_size, heads)
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +66,23 @@ def vllm_verifier(tmp_path_factory):
     """The same with H=128 in 2 heads: vLLM's CPU attention has kernels for head sizes of 32
     and more (tiny_verifier's 16 is refused: "Unsupported CPU attention configuration")."""
     return make_tiny_verifier(tmp_path_factory.mktemp("vllm_verifier"), hidden_size=128, heads=2)
+
+
+@pytest.fixture(scope="session")
+def deepseek_verifier(tmp_path_factory):
+    """A random 8-layer DeepSeek-V3-shaped verifier (Kimi-K2.5's text model in small: MLA with
+    vLLM's CPU head size 576, q-LoRA, a dense first layer, MoE of 8 experts in 2 groups + 1
+    shared, sigmoid noaux_tc routing), H=128, SmolLM2's tokenizer (engine/toy.py)."""
+    from eagle3_ray.engine import toy
+    return toy.deepseek(tmp_path_factory.mktemp("deepseek_verifier"))
+
+
+@pytest.fixture(scope="session")
+def kimi_verifier(tmp_path_factory, deepseek_verifier):
+    """deepseek_verifier inside Kimi-K2.5's vision-language wrapper (model_type kimi_k25, the
+    text model under text_config, weights under language_model.)."""
+    from eagle3_ray.engine import toy
+    return toy.kimi(tmp_path_factory.mktemp("kimi_verifier"), text_dir=deepseek_verifier)
 
 
 @pytest.fixture(scope="session")

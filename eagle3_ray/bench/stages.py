@@ -93,7 +93,7 @@ def pipeline(spec: str, samples: int, max_length: int, engine: str = "hf",
 def bench_extract(samples: int = 128, max_length: int = 512, out_dir: str = "runs/bench",
                   repeats: int = 3, spec: str = verifier.EMBEDDED_VERIFIER) -> dict:
     tok, cfg = verifier.load_tokenizer(spec), verifier.load_config(spec)
-    layer_ids = verifier.default_aux_layer_ids(cfg.num_hidden_layers)
+    layer_ids = verifier.default_aux_layer_ids(verifier.text_config(cfg).num_hidden_layers)
     seqs = []
     for _, messages in data.iter_samples([data.EMBEDDED_SHAREGPT], samples):
         try:
@@ -595,7 +595,7 @@ def _storage_error(bf16_dir: str, fp8_dir: str, spec: str, rows: int = 16) -> di
     b = read(fp8_dir, set(a))
     model = verifier.load_verifier(spec)
     norm, head = verifier.final_norm(model), model.get_output_embeddings()
-    hidden = model.config.hidden_size
+    hidden = verifier.text_config(model.config).hidden_size
     rel = {"aux_hidden_states": [], "last_hidden_states": []}
     agree = {"bf16": 0, "fp8_e4m3": 0}
     tokens = 0

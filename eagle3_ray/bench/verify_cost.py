@@ -43,7 +43,7 @@ def measure(tokens=TOKENS, context: int = 256, reps: int = 5, draft_vocab: int =
     drafter = draft.untrained_drafter(spec, draft_vocab)[0]
     dec = speculate.Speculator(model, drafter.eval())
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (context + max(tokens) + 1,),
+    ids = torch.randint(0, model.config.get_text_config(decoder=True).vocab_size, (context + max(tokens) + 1,),
                         generator=g).tolist()
     wall = {t: [] for t in tokens}
     cpu = {t: [] for t in tokens}

@@ -101,6 +101,47 @@ def load_config(spec: str):
     return AutoConfig.from_pretrained(materialize(spec))
 
 
+def text_config(config):
+    """The config that holds the text model's shapes (hidden_size, num_hidden_layers,
+    vocab_size, ...): `text_config` of a vision-language wrapper, else the config itself."""
+    return config.get_text_config(decoder=True)
+
+
+def weight_map(directory: str) -> dict[str, str]:
+    """tensor name -> safetensors file, from model.safetensors.index.json or the single file."""
+    from safetensors import safe_open
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{directory}: no model.safetensors or "
+                                "model.safetensors.index.json (safetensors weights are required)")
+    with safe_open(single, framework="pt") as f:  # reads the header only
+        return {name: "model.safetensors" for name in f.keys()}
+
+
+def text_model_names(directory: str) -> dict[str, str]:
+    """key_mapping (regex -> name) that reads the text model of a vision-language wrapper's
+    checkpoint as a plain causal LM's: its embedding's module prefix -> "model.", its lm_head ->
+    "lm_head.weight". Covers Kimi-K2.5's own layout (`language_model.model.*`,
+    `language_model.lm_head.weight`) and transformers' (`model.language_model.*`,
+    `lm_head.weight`). The vision tower's tensors match neither and are left unread."""
+    import re
+    names = weight_map(directory)
+    embeds = [n for n in names if n.endswith("embed_tokens.weight") and ".layers." not in n]
+    heads = [n for n in names if n.endswith("lm_head.weight")]
+    if len(embeds) != 1 or len(heads) > 1:
+        raise ValueError(f"{directory}: expected one *embed_tokens.weight and at most one "
+                         f"*lm_head.weight, found {embeds} and {heads}")
+    base = embeds[0][:-len("embed_tokens.weight")]
+    mapping = {f"^{re.escape(base)}": "model."}
+    if heads and heads[0] != "lm_head.weight":
+        mapping[f"^{re.escape(heads[0])}$"] = "lm_head.weight"
+    return mapping
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 runs ~3x
     faster than fp32 and a verifier forward costs almost the same for 1 or 17 tokens.
@@ -133,7 +174,11 @@ def load_verifier(spec: str, dtype: torch.dtype | None = None, num_gpus: int = 0
             kwargs["max_memory"] = {i: max_gpu_memory for i in range(num_gpus)}
     elif num_gpus == 1:
         kwargs["device_map"] = {"": 0}
-    model = AutoModelForCausalLM.from_pretrained(materialize(spec), **kwargs)
+    directory = materialize(spec)
+    config = load_config(spec)
+    if text_config(config) is not config:   # a vision-language wrapper (Kimi-K2.5): its text
+        kwargs.update(config=text_config(config), key_mapping=text_model_names(directory))
+    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
     model.eval().requires_grad_(False)
     return model
 
@@ -146,11 +191,11 @@ def eos_ids(model, tokenizer) -> tuple[int, ...]:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    return model.base_model.layers
+    return model.get_decoder().layers
 
 
 def final_norm(model) -> torch.nn.Module:
-    return model.base_model.norm
+    return model.get_decoder().norm
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -191,14 +236,18 @@ def verifier_facts(spec: str, config, tokenizer, layer_ids) -> dict:
     """What a dataset or drafter must agree on with its verifier (see schema.IDENTITY_FIELDS)."""
     from eagle3_ray.data.conversations import template_hash, tokenizer_hash
     from eagle3_ray.data.schema import LAYER_ID_CONVENTION
+    text = text_config(config)
     return {
         "verifier": spec,
         "verifier_model_type": config.model_type,
+        # where the shapes below were read: the config itself (None), or its text model's
+        "verifier_text_config": None if text is config else
+                                f"{config.model_type}.text_config ({text.model_type})",
         "verifier_config_hash": config_hash(config),
-        "num_layers": config.num_hidden_layers,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-        "aux_layer_ids": check_layer_ids(layer_ids, config.num_hidden_layers),
+        "num_layers": text.num_hidden_layers,
+        "hidden_size": text.hidden_size,
+        "vocab_size": text.vocab_size,
+        "aux_layer_ids": check_layer_ids(layer_ids, text.num_hidden_layers),
         "layer_id_convention": LAYER_ID_CONVENTION,
         "dtype": "bfloat16",
         "chat_template_hash": template_hash(tokenizer),
@@ -242,7 +291,7 @@ def forward_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     slower than max's vectorized one (~6% of a whole bf16 forward); 256-row chunks (25 MB of
     bf16 logits) run the bf16 lm_head ~10% faster than 512-4096 rows and fp32 as fast."""
     with capture_hidden_states(model, layer_ids) as got:
-        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     aux = torch.stack([got["aux0"], got["aux1"], got["aux2"]], dim=2)  # [B, S, 3, H]
     normed = out.last_hidden_state                                     # [B, S, H]
     head = model.get_output_embeddings()
@@ -262,7 +311,8 @@ def main(argv=None):
         print(materialize(a.spec))
         return
     cfg, tok = load_config(a.spec), load_tokenizer(a.spec)
-    print(json.dumps(verifier_facts(a.spec, cfg, tok, default_aux_layer_ids(cfg.num_hidden_layers)),
+    n = text_config(cfg).num_hidden_layers
+    print(json.dumps(verifier_facts(a.spec, cfg, tok, default_aux_layer_ids(n)),
                      indent=2))
 
 

@@ -228,7 +228,7 @@ def main(argv=None):
     from transformers import AutoConfig, AutoTokenizer
     from eagle3_ray.engine import hf
     model = a.check
-    n = AutoConfig.from_pretrained(model).num_hidden_layers
+    n = AutoConfig.from_pretrained(model).get_text_config(decoder=True).num_hidden_layers
     tok = AutoTokenizer.from_pretrained(model)
     v = VllmVerifier(model, hf.default_aux_layer_ids(n), n, max_model_len=512,
                      **engine_kwargs())

@@ -101,9 +101,10 @@ class ExtractConfig:
 def dataset_facts(cfg: ExtractConfig, config, tokenizer) -> dict:
     """Everything that identifies the dataset; stored in each part and in the manifest."""
     # Sorted: the engines concatenate the aux states in ascending layer order (check_layer_ids).
+    n_layers = verifier.text_config(config).num_hidden_layers
     layer_ids = verifier.check_layer_ids(
-        sorted(cfg.layer_ids or verifier.default_aux_layer_ids(config.num_hidden_layers)),
-        config.num_hidden_layers, where="--layer-ids (ExtractConfig.layer_ids)")
+        sorted(cfg.layer_ids or verifier.default_aux_layer_ids(n_layers)),
+        n_layers, where="--layer-ids (ExtractConfig.layer_ids)")
     facts = verifier.verifier_facts(cfg.verifier, config, tokenizer, layer_ids)
     regen = None
     if cfg.regenerate:
@@ -326,7 +327,7 @@ class VerifierExtractor:
             self.model = verifier.load_verifier(cfg.verifier, dtype, cfg.gpus_per_replica,
                                                 cfg.max_gpu_memory)
             self.tok = verifier.load_tokenizer(cfg.verifier)
-            self.device = self.model.base_model.embed_tokens.weight.device
+            self.device = self.model.get_input_embeddings().weight.device
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.generator = None  # regen.BatchGenerator, built on the first --regenerate batch
         self.part_schema = schema.schema_for(cfg.hidden_storage)  # fp8: + the scale columns

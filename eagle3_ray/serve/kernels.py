@@ -312,7 +312,7 @@ def tune_few_row_kernels(model, context: int = 128, reps: int = 5) -> dict[int, 
     if not few or p.dtype != torch.float32 or p.device.type != "cpu":
         return {}
     cache = DynamicCache()
-    model(input_ids=torch.arange(context)[None] % model.config.vocab_size, cache=cache,
+    model(input_ids=torch.arange(context)[None] % model.config.get_text_config(decoder=True).vocab_size, cache=cache,
           use_cache=True)
     chosen = {}
     for rows in TUNED_ROWS:

@@ -64,7 +64,7 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
                         if getattr(drafter.config, "parallel", False) else "")),
         draft_parallel_ms=parallel_ms)
     if ngpu > 1:                        # NCCL all-reduce time per message size: the curve
-        p = planner.add_allreduce_curve(p, ngpu, 2 * cfg.num_hidden_layers + 2)
+        p = planner.add_allreduce_curve(p, ngpu, 2 * verifier.text_config(cfg).num_hidden_layers + 2)
     if draft_collectives is None:
         draft_collectives = planner.DRAFT_COLLECTIVES_TP if ngpu > 1 else 0
     return dataclasses.replace(p, draft_collectives=draft_collectives)
@@ -121,7 +121,7 @@ def measure_speculator(dec, max_tokens: int = 33, context: int = 256, reps: int 
     interconnect of `dec` is left out: a profile's verify_ms is compute only."""
     sync = torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    vocab = dec.model.config.vocab_size
+    vocab = verifier.text_config(dec.model.config).vocab_size
     ids = torch.randint(0, vocab, (context + max_tokens + 1,), generator=g).tolist()
     comm = dec.simulated_comm
     dec.simulated_comm = None

@@ -303,7 +303,7 @@ def _check_exact(spec: Speculator, seed: int) -> dict[str, bool]:
     width = max(map(len, EXACT_PATHS))
     ok = {"chain": True, "tree": True}
     for cached in EXACT_CACHED:
-        ids = torch.randint(spec.model.config.vocab_size, (cached + 7,), generator=g).tolist()
+        ids = torch.randint(verifier_lib.text_config(spec.model.config).vocab_size, (cached + 7,), generator=g).tolist()
         new, cache = ids[cached:], DynamicCache()
         spec._verify(ids[:cached], cache, last_only=True)
 
@@ -364,7 +364,7 @@ class Speculator:
         if self.drafter is not None:               # its steps need no invariance; its 1-row
             kernels.use_few_row_kernels(       # linears take the verifier's pick
                 self.drafter, kernels=self.few_row_kernels)
-        n_layers = model.config.num_hidden_layers
+        n_layers = verifier_lib.text_config(model.config).num_hidden_layers
         self.layer_ids = None                      # no drafter: nothing to capture
         if drafter is not None:
             self.layer_ids = verifier_lib.check_layer_ids(

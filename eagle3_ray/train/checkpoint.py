@@ -371,13 +371,14 @@ def check_drafter(directory: str, vcfg, verifier_name: str = "the verifier") -> 
     drafter's config/meta JSON. Returns its meta. (Both servers, serve/app.py and serve/vllm.py,
     call it from here: neither imports the other for it.)"""
     c, meta = read_drafter_config(directory)
+    text = verifier.text_config(vcfg)              # shapes: the text model's
     problems = []
-    if c.hidden_size != vcfg.hidden_size:
-        problems.append(f"hidden_size {c.hidden_size} != verifier {vcfg.hidden_size}")
-    if c.vocab_size != vcfg.vocab_size:
-        problems.append(f"vocab_size {c.vocab_size} != verifier {vcfg.vocab_size}")
+    if c.hidden_size != text.hidden_size:
+        problems.append(f"hidden_size {c.hidden_size} != verifier {text.hidden_size}")
+    if c.vocab_size != text.vocab_size:
+        problems.append(f"vocab_size {c.vocab_size} != verifier {text.vocab_size}")
     try:
-        verifier.check_layer_ids(c.aux_layer_ids, vcfg.num_hidden_layers)
+        verifier.check_layer_ids(c.aux_layer_ids, text.num_hidden_layers)
     except ValueError as e:
         problems.append(str(e))
     want = (meta.get("verifier_facts") or {}).get("verifier_config_hash")

@@ -79,7 +79,9 @@ class DraftConfig:
     @classmethod
     def from_verifier_config(cls, config, draft_vocab_size: int = 32000,
                              aux_layer_ids: list[int] | None = None, **overrides) -> "DraftConfig":
-        """Shapes from a transformers config of the verifier; any field can be overridden."""
+        """Shapes from a transformers config of the verifier (its text model's, for a
+        vision-language wrapper); any field can be overridden."""
+        config = config.get_text_config(decoder=True)
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or \
@@ -379,20 +381,6 @@ class Teacher(nn.Module):
 
 # --- building from the verifier -------------------------------------------------------------
 
-def _weight_map(directory: str) -> dict[str, str]:
-    """tensor name -> safetensors file, from model.safetensors.index.json or the single file."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
-    single = os.path.join(directory, "model.safetensors")
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"{directory}: no model.safetensors or "
-                                "model.safetensors.index.json (safetensors weights are required)")
-    with safe_open(single, framework="pt") as f:  # reads the header only
-        return {name: "model.safetensors" for name in f.keys()}
-
-
 def _resolve_name(name: str, available) -> str | None:
     """`name` itself, else the one non-layer tensor ending like it (e.g. multimodal prefixes)."""
     if name in available:
@@ -408,7 +396,7 @@ def read_verifier_tensors(spec: str, names, missing_ok: bool = False) -> dict[st
     an unprefixed/multimodal variant ending the same way is accepted. Missing names raise
     KeyError unless missing_ok (then they are left out of the result)."""
     directory = verifier.materialize(spec)
-    weight_map = _weight_map(directory)
+    weight_map = verifier.weight_map(directory)
     by_file: dict[str, list[tuple[str, str]]] = {}
     for name in names:
         stored = _resolve_name(name, weight_map)
@@ -496,7 +484,7 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     random init. Returns {"layer": j, "copied": [...], "kept_random": [...]}."""
     c, m = drafter.config, drafter.midlayer
     h = c.hidden_size
-    n_layers = verifier.load_config(spec).num_hidden_layers
+    n_layers = verifier.text_config(verifier.load_config(spec)).num_hidden_layers
     j = layer if layer is not None else (c.aux_layer_ids[-1] if c.aux_layer_ids else n_layers - 1)
     if not 0 <= j < n_layers:
         raise ValueError(f"init layer {j} outside the verifier's 0..{n_layers - 1}")
@@ -528,7 +516,7 @@ def untrained_drafter(spec: str, draft_vocab_size: int | None = None, seed: int 
     """A randomly initialised drafter for `spec` with the first `draft_vocab_size` token ids
     (default: the full vocabulary) as its draft vocab: for tests, benchmarks of the decoding
     machinery, and `serve` before any training. Returns (drafter, teacher)."""
-    cfg = verifier.load_config(spec)
+    cfg = verifier.text_config(verifier.load_config(spec))
     c = DraftConfig.from_verifier_config(cfg, draft_vocab_size or cfg.vocab_size,
                                          verifier.default_aux_layer_ids(cfg.num_hidden_layers),
                                          drafting=drafting)
@@ -543,7 +531,7 @@ def main(argv=None):
     p.add_argument("spec", nargs="?", default=verifier.EMBEDDED_VERIFIER)
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     a = p.parse_args(argv)
-    cfg = verifier.load_config(a.spec)
+    cfg = verifier.text_config(verifier.load_config(a.spec))
     c = DraftConfig.from_verifier_config(cfg, a.draft_vocab_size,
                                          verifier.default_aux_layer_ids(cfg.num_hidden_layers))
     with torch.device("meta"):

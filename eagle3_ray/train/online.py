@@ -303,7 +303,7 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
     fs, root = schema.resolve_fs(tcfg.output)
     skip_file = f"{tcfg.output}/{SKIP_FILE}"
 
-    counts_fn = lambda: count_loss_tokens(ecfg, config.vocab_size, vocab_samples)  # noqa: E731
+    counts_fn = lambda: count_loss_tokens(ecfg, verifier.text_config(config).vocab_size, vocab_samples)  # noqa: E731
     setup = train.make_setup(tcfg, {"facts": facts, "files": [], "summary": {"target_ids": True}},
                              counts_fn)
     setup.update(skip_file=skip_file, cache=cache, stats_actor=ecfg.stats_actor)

@@ -221,7 +221,7 @@ def prepare(cfg: TrainConfig) -> dict:
     column = vocab_column(schema.stores_target_ids(manifest))
     uris = schema.dataset_uris(cfg.dataset)
     return make_setup(cfg, manifest, lambda: sum(
-        vocab.count_tokens(u, config.vocab_size, column) for u in uris), column)
+        vocab.count_tokens(u, verifier.text_config(config).vocab_size, column) for u in uris), column)
 
 
 def vocab_column(has_target_ids: bool) -> str:
@@ -243,19 +243,20 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
     (built from count_tokens() -> int64 [V] counts of the `counted` column on the first run,
     read back from the run dir on a resume)."""
     config = verifier.load_config(cfg.verifier)
+    vocab_size = verifier.text_config(config).vocab_size
     fs, root = schema.resolve_fs(cfg.output)
     fs.create_dir(root, recursive=True)
     vocab_path = f"{root}/vocab.json"
     if fs.get_file_info(vocab_path).type == pa.fs.FileType.File:  # resume: same mapping
         with fs.open_input_stream(vocab_path) as f:
             saved = json.loads(f.read())
-        if saved["draft_vocab_size"] != min(cfg.draft_vocab_size, config.vocab_size):
+        if saved["draft_vocab_size"] != min(cfg.draft_vocab_size, vocab_size):
             raise ValueError(f"{vocab_path}: run was started with draft_vocab_size "
                              f"{saved['draft_vocab_size']}; use a new --output to change it")
         d2t = np.asarray(saved["d2t"], dtype=np.int64)
     else:
         counts = count_tokens()
-        d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, config.vocab_size))
+        d2t, t2d = vocab.build_mapping(counts, min(cfg.draft_vocab_size, vocab_size))
         schema.write_bytes_atomic(fs, vocab_path, json.dumps(
             {"draft_vocab_size": len(d2t), "d2t": d2t.tolist(), "counted": counted,
              "coverage": vocab.coverage(counts, t2d)}).encode())
