@@ -101,7 +101,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", help="hidden-state dataset dir/URI (extract output), or several "
                    "joined by commas, read as one (e.g. original,regenerated); or --online")
     p.add_argument("--output", required=True, help="run dir: checkpoints, metrics, drafter/")
-    p.add_argument("--verifier", default=d["verifier"])
+    p.add_argument("--verifier", default=d["verifier"], help="default: the one the dataset's "
+                   "manifest names (--online: the embedded default)")
     p.add_argument("--ttt-steps", type=int, default=d["ttt_steps"], help="TTT unroll depth (1-32)")
     p.add_argument("--step-weight-decay", type=float, default=d["step_weight_decay"])
     p.add_argument("--ttt-ramp", type=float, default=d["ttt_ramp"],
@@ -118,6 +119,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "(all drafts of a round from one forward, via mask slots)")
     p.add_argument("--mask-token-id", type=int, default=d["mask_token_id"],
                    help="parallel: the mask slots' token id (default: vocab size - 1)")
+    p.add_argument("--draft-layer", choices=("llama", "mla"), default=d["draft_layer"],
+                   help="the drafter's decoder layer: llama, or mla (DeepSeek MLA, vLLM's "
+                        "Eagle3DeepseekV3ForCausalLM; MLA dims from a DeepSeek/Kimi verifier)")
+    p.add_argument("--fc-norm", action="store_true", default=d["fc_norm"],
+                   help="EAGLE-3.1: an RMSNorm on each aux state before fc")
+    p.add_argument("--norm-output", action="store_true", default=d["norm_output"],
+                   help="EAGLE-3.1: feed each draft step the previous step's post-norm state")
     p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"])
     p.add_argument("--targets", choices=("soft", "hard"), default=d["targets"],
                    help="loss target: the teacher's distribution or its argmax")
@@ -174,7 +182,8 @@ def train_config(a: argparse.Namespace):
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """Flags of ServeConfig (shared with jobs/serve.py)."""
-    p.add_argument("--verifier", default=verifier.EMBEDDED_VERIFIER)
+    p.add_argument("--verifier", help="default: the one the drafter's meta.json names, else "
+                   f"{verifier.EMBEDDED_VERIFIER}")
     p.add_argument("--drafter", help="trained drafter dir (<train output>/drafter); none = depth 0")
     p.add_argument("--model-name", default="eagle3-ray", help="the OpenAI model id")
     p.add_argument("--depth", type=int, default=4, help="default speculation depth")
@@ -219,8 +228,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def serve_config(a: argparse.Namespace):
     import json
     from eagle3_ray.serve.app import ServeConfig
+    spec = a.verifier
+    if not spec and a.drafter:
+        from eagle3_ray.train.checkpoint import read_drafter_config
+        spec = read_drafter_config(a.drafter)[1].get("verifier")
     return ServeConfig(
-        verifier=a.verifier, drafter=a.drafter, model_name=a.model_name,
+        verifier=spec or verifier.EMBEDDED_VERIFIER, drafter=a.drafter, model_name=a.model_name,
         depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
         dynamic_depth=a.dynamic_depth, branches=a.branches,
         lookup=a.lookup, lookup_branch=a.lookup_branch, profile=a.profile,
@@ -480,6 +493,12 @@ def plan_acceptances(a) -> dict:
     return out
 
 
+def plan_profile(a, name: str):
+    """A node profile priced for the drafter layer `plan --draft-layer` names."""
+    from eagle3_ray.plan import planner
+    return planner.with_draft_layer(planner.load_profile(name), a.draft_layer)
+
+
 def cmd_plan(a):
     import json
     from eagle3_ray.plan import planner
@@ -495,7 +514,7 @@ def cmd_plan(a):
                          "--sweep-kinds)")
     sources = plan_acceptances(a)
     costs = planner.train_costs_from(a.bench_train) if a.bench_train else None
-    profile = planner.load_profile(a.profile)
+    profile = plan_profile(a, a.profile)
     chosen = planner.choose_drafting(profile, sources, a.max_depth, costs)
     kind = chosen["choice"]
     result = chosen["plans"][kind]
@@ -506,9 +525,10 @@ def cmd_plan(a):
                                  "what_if": {k: planner.kind_summary(v)
                                              for k, v in chosen["what_if"].items()}}
     result["other_kind"] = other_kind
+    result["draft_layer"] = profile.draft_layer
     other = None
     if a.compare:
-        other = planner.plan(cond, planner.load_profile(a.compare), a.max_depth, known, costs,
+        other = planner.plan(cond, plan_profile(a, a.compare), a.max_depth, known, costs,
                              drafting=kind)
         result["compare"] = other
         result["comparison"] = planner.compare_text(result, other)
@@ -539,9 +559,9 @@ def plan_sweep_kinds(a):
     drafter's collectives on and off, on --profile (and --compare)."""
     import json
     from eagle3_ray.plan import planner
-    profiles = [planner.load_profile(a.profile)]
+    profiles = [plan_profile(a, a.profile)]
     if a.compare:
-        profiles.append(planner.load_profile(a.compare))
+        profiles.append(plan_profile(a, a.compare))
     first, rest = a.parallel_ratios or (planner.PARALLEL_FIRST_RATIO,
                                         planner.PARALLEL_REST_RATIO)
     result = planner.sweep_drafting(a.sweep_kinds, profiles, a.max_depth, first, rest)
@@ -559,9 +579,9 @@ def plan_sweep(a):
     """plan --sweep: best depth per constant acceptance level on --profile (and --compare)."""
     import json
     from eagle3_ray.plan import planner
-    profiles = [planner.load_profile(a.profile)]
+    profiles = [plan_profile(a, a.profile)]
     if a.compare:
-        profiles.append(planner.load_profile(a.compare))
+        profiles.append(plan_profile(a, a.compare))
     result = planner.sweep(a.sweep, profiles, a.max_depth)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "sweep.json"), "w") as f:
@@ -669,11 +689,21 @@ def parser() -> argparse.ArgumentParser:
                         "a_j (default 63/71, (38/63)/(49/71): vLLM PR #32628's P0/P1)")
     n.add_argument("--profile", required=True, help="packaged profile name or YAML path")
     n.add_argument("--compare", help="a second profile, planned alongside")
+    n.add_argument("--draft-layer", choices=("llama", "mla"), help="price this drafter decoder "
+                   "layer (the profile's draft_layers; default: the one it prices at the top)")
     n.add_argument("--max-depth", type=int, default=32)
     n.add_argument("--bench-train", help="bench train JSON: step time per ttt_steps")
     n.add_argument("--ttt", type=int, help="bench quality JSON: the drafter with this ttt_steps")
     n.add_argument("--out", default="runs/plan")
     n.set_defaults(fn=cmd_plan)
+
+    y = sub.add_parser("toy", help="write a small random verifier of a family (tests, GPU check)")
+    y.add_argument("family", choices=("llama", "deepseek", "kimi"),
+                   help="deepseek: Kimi-K2.5's text model in small (MLA + MoE); kimi: its "
+                        "vision-language wrapper around one")
+    y.add_argument("directory")
+    y.set_defaults(fn=lambda a: print(__import__("eagle3_ray.engine.toy", fromlist=["toy"])
+                                      .__dict__[a.family](a.directory)))
     return p
 
 

@@ -48,7 +48,10 @@ SIZES = {
 # Steps the CPU path lists but does not run: why (printed, and in the JSON as "skipped").
 CPU_SKIPPED = {"bench_engines_vllm": (
     "skipped on the CPU path: 48 s for 1 prompt x 6 tokens on 2 cores (2026-12-07), 27 s of it "
-    "starting vLLM's CPU engines; run the command above to check it here")}
+    "starting vLLM's CPU engines; run the command above to check it here"),
+    **{n: "skipped on the CPU path: the suite runs the DeepSeek-shaped verifier through vLLM's "
+          "CPU build (tests/extract/test_extract_vllm.py); run the command above to check it here"
+       for n in ("toy_deepseek", "extract_vllm_deepseek")}}
 # --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
 # held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
 QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
@@ -114,6 +117,13 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
                       + ["--engine", "vllm"], None))
         steps.append(("bench_engines_vllm", _bench_engines(cuda, drafter, work, size),
                       "train_ddp"))
+        # Kimi-K2.5's shape in small (MLA + MoE, engine/toy.py) through vLLM's DeepSeek paths
+        toy = os.path.join(work, "deepseek-verifier")
+        steps.append(("toy_deepseek", ["toy", "deepseek", toy], None))
+        steps.append(("extract_vllm_deepseek",
+                      _extract(cuda, min(gpus, 1), step_dir(work, "extract_vllm_deepseek"),
+                               size("samples"), size("max_length"))
+                      + ["--engine", "vllm", "--verifier", toy], "toy_deepseek"))
     return steps + (quality_commands(cuda, gpus, work, quality_minutes) if quality_minutes else [])
 
 
@@ -175,7 +185,9 @@ def machine() -> dict:
 def figures(name: str, work: str) -> dict:
     """What a step's outputs say, for the JSON."""
     out = step_dir(work, name)
-    if name in ("extract", "quality_extract", "extract_vllm"):
+    if name == "toy_deepseek":
+        return {}
+    if name in ("extract", "quality_extract", "extract_vllm", "extract_vllm_deepseek"):
         m = json.load(open(os.path.join(out, "manifest.json")))
         s, run = m["summary"], m["summary"]["this_run"]
         # wall_s includes Ray's and the actors' start-up (most of a short run's time, 2026-12-04

@@ -159,11 +159,12 @@ def make_inexact(monkeypatch):
 
 def _train_tiny_drafter(spec: str, out: str, prompts: list[list[int]], steps: int = 40,
                         depth: int = 3, draft_vocab: int = 256, drafting: str = "chain",
-                        new_tokens: int = 40) -> str:
+                        new_tokens: int = 40, **config) -> str:
     """A drafter trained in-process for `steps` TTT steps (unroll `depth`, hard targets) on the
     verifier's own greedy continuations of `prompts` (so its drafts get accepted when serving
     them), its draft vocab the `draft_vocab` most frequent tokens there, saved as a real
-    checkpoint. Run it with few torch threads: it is small."""
+    checkpoint; `config`: DraftConfig fields (draft layer "mla", fc_norm, ...). Run it with few
+    torch threads: it is small."""
     import numpy as np
     from eagle3_ray.engine import hf as verifier
     from eagle3_ray.train import checkpoint, draft, ttt, vocab
@@ -181,7 +182,7 @@ def _train_tiny_drafter(spec: str, out: str, prompts: list[list[int]], steps: in
     counts = np.bincount(torch.cat([ids[att.bool()], greedy[att.bool()]]).numpy(),
                          minlength=model.config.vocab_size)
     c = draft.DraftConfig.from_verifier_config(model.config, draft_vocab, layer_ids,
-                                               drafting=drafting)
+                                               drafting=drafting, **config)
     drafter, teacher = draft.build_drafter(spec, c, *vocab.build_mapping(counts, draft_vocab),
                                            teacher_check=False)
     batch = {"input_ids": ids, "attention_mask": att, "loss_mask": att,   # out of inference mode

@@ -218,14 +218,14 @@ def arm_specs(export: str, depths) -> dict:
 
 
 def vllm_setup(arms: int, gpus: int, dtype: str, max_model_len: int,
-               threads: int) -> tuple[dict, dict]:
+               threads: int, model: str | None = None) -> tuple[dict, dict]:
     """(vLLM engine arguments, Ray actor options) of each of `arms` VllmArm actors, which live
     side by side for the whole bench. CPU: engine.vllm's CPU sizing (eager on small hosts, KV
     space split over the arms), `threads` OpenMP threads each. CUDA (gpus 1): vLLM's CUDA
     defaults (CUDA graphs, torch.compile) in `dtype`, every arm on a 1/arms share of one GPU
     and VLLM_GPU_SHARE / arms of its memory, the rest left to the builtin verifier."""
     from eagle3_ray.engine import vllm as engine
-    kwargs = engine.engine_kwargs(dtype=dtype, gpus=1 if gpus else 0,
+    kwargs = engine.engine_kwargs(model=model, dtype=dtype, gpus=1 if gpus else 0,
                                   max_model_len=max_model_len, replicas=arms)
     options = {"num_cpus": 0, "runtime_env": engine.runtime_env(threads=threads, gpus=gpus)}
     if gpus:
@@ -241,7 +241,7 @@ def _start_vllm(model: str, specs: dict, max_model_len: int, dtype: str, threads
     memory it sees free while it starts, and another engine starting beside it would skew
     that); waits until all are ready."""
     import ray
-    kwargs, options = vllm_setup(len(specs), gpus, dtype, max_model_len, threads)
+    kwargs, options = vllm_setup(len(specs), gpus, dtype, max_model_len, threads, model)
     arm = ray.remote(VllmArm)
     actors = {}
     for d, spec in specs.items():
@@ -281,7 +281,7 @@ def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
     from eagle3_ray.engine import hf as verifier, vllm as engine
     from eagle3_ray.launch import init_ray
     from eagle3_ray.serve import speculate
-    from eagle3_ray.serve.vllm import ensure_vllm_export
+    from eagle3_ray.serve.vllm import check_cpu_drafter_layer, ensure_vllm_export
     from eagle3_ray.train.checkpoint import load_trained_drafter
     from types import SimpleNamespace
     t_start = time.perf_counter()
@@ -296,6 +296,7 @@ def bench_engines(drafter_dir: str, prompts: int = 12, max_tokens: int = 64,
     spec = spec or meta["verifier"]
     model_dir = verifier.materialize(spec)                  # what vLLM loads
     export = ensure_vllm_export(SimpleNamespace(drafter=drafter_dir, verifier=model_dir))
+    check_cpu_drafter_layer(model_dir, export, gpus)
     # builtin side, in this process
     tok = verifier.load_tokenizer(spec)
     model = verifier.load_verifier(spec, dtype=getattr(torch, vdtype), num_gpus=gpus)

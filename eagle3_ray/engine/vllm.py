@@ -112,10 +112,76 @@ def eager(gpus: float = 0, cores: int | None = None) -> bool:
     return not gpus and (cores or os.cpu_count() or 1) < CPU_EAGER_CORES
 
 
-def engine_kwargs(*, dtype: str | None = None, gpus: float = 0, max_model_len: int | None = None,
-                  enforce_eager: bool | None = None, replicas: int = 1) -> dict:
+# What transformers' DeepSeek-V3 (model types deepseek_v3 and Kimi's kimi_k2) always computes,
+# in the keys vLLM's DeepSeek reads (vllm/model_executor/models/deepseek_v2.py): sigmoid expert
+# scores, and `noaux_tc` routing, the only one that builds e_score_correction_bias. DeepSeek-V3
+# and Kimi checkpoints carry both; transformers >= 5 no longer writes them, and without them vLLM
+# routes by softmax and fails on the bias ("KeyError: 'layers.1.mlp.gate.e_score_correction_bias'").
+DEEPSEEK_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
+
+
+# vLLM's CPU rotary kernel (ops.rotary_embedding, RotaryEmbedding.forward_cpu) rotates a query
+# laid out [tokens, heads * head_size], contiguous. vLLM's MLA (vllm/model_executor/layers/
+# mla.py) hands it q[..., qk_nope_head_dim:], a strided [tokens, heads, 64] view, and k_pe, a
+# strided view into the fused q/kv projection: the kernel then rotates the wrong elements and
+# leaves k_pe unrotated, so every position past the first attends wrongly (on the DeepSeek test
+# verifier: aux states 1-7% off transformers' from position 1 on, greedy tokens differing).
+# Checked against a direct computation of one layer (tests/extract/test_deepseek_engines.py).
+# Turning that custom op off makes vLLM run RotaryEmbedding.forward_native, which indexes
+# views correctly: the engines' states then agree to the last bit in fp32. GPUs' kernels take
+# strides and keep the op.
+CPU_MLA_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
+
+
+def is_deepseek(model_dir: str) -> bool:
+    """Whether a verifier directory holds a DeepSeek-V3-shaped (MLA + MoE) text model, at the top
+    level or under a vision-language wrapper's text_config."""
+    return _text_config_json(model_dir).get("model_type") in DEEPSEEK_TYPES
+
+
+def _text_config_json(model_dir: str) -> dict:
+    import json
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+def config_overrides(model_dir: str) -> dict:
+    """vLLM `hf_overrides` for a verifier directory: the DEEPSEEK_ROUTING keys its (text) config
+    lacks, nested under `text_config` for a vision-language wrapper (Kimi-K2.5). Refuses a
+    DeepSeek config whose rotary pairs are not interleaved (`rope_interleave: false`, a
+    transformers-only variant): vLLM's MLA always rotates interleaved pairs (is_neox_style=False),
+    so its hidden states would silently differ from transformers'."""
+    text = _text_config_json(model_dir)
+    if text.get("model_type") not in DEEPSEEK_TYPES:
+        return {}
+    nested = text.get("model_type") != _model_type(model_dir)
+    if text.get("rope_interleave") is False:
+        raise ValueError(f"{model_dir}/config.json: rope_interleave is false, but vLLM's DeepSeek MLA rotates "
+                         "interleaved pairs (as DeepSeek-V3 and Kimi are trained): the engines "
+                         "would disagree; save the verifier with rope_interleave true")
+    missing = {k: v for k, v in DEEPSEEK_ROUTING.items() if k not in text}
+    return ({"text_config": missing} if nested else missing) if missing else {}
+
+
+def _model_type(model_dir: str) -> str | None:
+    import json
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("model_type")
+
+
+def engine_kwargs(*, model: str | None = None, dtype: str | None = None, gpus: float = 0,
+                  max_model_len: int | None = None, enforce_eager: bool | None = None,
+                  replicas: int = 1) -> dict:
     """vLLM engine arguments sized to the host, shared by extraction and serving. GPUs: the
-    replica's whole GPUs are its tensor-parallel shards, vLLM sizes its own KV cache."""
+    replica's whole GPUs are its tensor-parallel shards, vLLM sizes its own KV cache. `model`
+    (a local verifier directory) adds the config keys vLLM needs and it lacks
+    (config_overrides), and on CPU for a DeepSeek-shaped verifier the rotary kernel that views
+    need (CPU_MLA_COMPILATION)."""
     kw = {"dtype": engine_dtype(dtype, gpus),
           "enforce_eager": eager(gpus) if enforce_eager is None else bool(enforce_eager),
           "tensor_parallel_size": max(1, int(gpus))}
@@ -123,6 +189,11 @@ def engine_kwargs(*, dtype: str | None = None, gpus: float = 0, max_model_len: i
         kw["max_model_len"] = int(max_model_len)
     if not gpus:
         kw["kv_cache_memory_bytes"] = kv_cache_bytes(replicas)
+    overrides = config_overrides(model) if model else {}
+    if overrides:
+        kw["hf_overrides"] = overrides
+    if model and not gpus and is_deepseek(model):
+        kw["compilation_config"] = dict(CPU_MLA_COMPILATION)
     return kw
 
 
@@ -231,7 +302,7 @@ def main(argv=None):
     n = AutoConfig.from_pretrained(model).get_text_config(decoder=True).num_hidden_layers
     tok = AutoTokenizer.from_pretrained(model)
     v = VllmVerifier(model, hf.default_aux_layer_ids(n), n, max_model_len=512,
-                     **engine_kwargs())
+                     **engine_kwargs(model=model))
     aux, last, greedy = v.hidden_states([tok("Hello, world")["input_ids"],
                                          tok("The capital of France is")["input_ids"]])
     print([tuple(a.shape) for a in aux], [tuple(x.shape) for x in last], [g.tolist() for g in greedy])

@@ -319,7 +319,8 @@ class VerifierExtractor:
             self.engine = vllm_engine.VllmVerifier(
                 cfg.engine_model, facts["aux_layer_ids"], facts["num_layers"],
                 max_model_len=cfg.max_length + 1, batch_tokens=micro_batch_tokens(cfg),
-                **vllm_engine.engine_kwargs(dtype=cfg.dtype, gpus=cfg.gpus_per_replica,
+                **vllm_engine.engine_kwargs(model=cfg.engine_model, dtype=cfg.dtype,
+                                            gpus=cfg.gpus_per_replica,
                                             replicas=cfg.replicas))
             self.tok = verifier.load_tokenizer(cfg.engine_model)
         else:

@@ -105,6 +105,10 @@ class NodeProfile:
                                   # one drafter forward of k tokens after a cached context (a
                                   # parallel round); None: modelled flat at draft_step_ms
     simulated: bool = False       # True: interconnect borrowed from another node (a simulation)
+    draft_layer: str = "llama"    # the drafter decoder layer the draft_* fields above price
+    draft_layers: dict[str, dict] | None = None  # other layer shapes ("mla": one DeepSeek MLA
+                                  # layer, vLLM's Eagle3DeepseekV3ForCausalLM): their own
+                                  # draft_step_ms, draft_collectives, draft_parallel_ms
     _xs: list = field(default_factory=list, init=False, repr=False, compare=False)
     _ys: list = field(default_factory=list, init=False, repr=False, compare=False)
     _pxs: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -201,7 +205,47 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
         draft_step_ms=_number(d, "draft_step_ms", where, float, 1e-12),
         draft_collectives=_draft_collectives(d, where),
         draft_parallel_ms=None if par is None else _ms_table(par, where, "draft_parallel_ms"),
-        simulated=bool(d.get("simulated", False)))
+        simulated=bool(d.get("simulated", False)),
+        draft_layer=str(d.get("draft_layer", "llama")), draft_layers=_draft_layers(d, where))
+
+
+def _draft_layers(d: dict, where: str) -> dict[str, dict] | None:
+    """A profile's `draft_layers`: {shape: {draft_step_ms, draft_collectives[,
+    draft_parallel_ms]}}, each checked as the top-level fields are."""
+    raw = d.get("draft_layers")
+    if raw is None:
+        return None
+    _check(isinstance(raw, dict), where, "field 'draft_layers' must be a mapping")
+    out = {}
+    for shape, e in raw.items():
+        w = f"{where}: draft_layers.{shape}"
+        _check(isinstance(e, dict), w, "must be a mapping")
+        par = e.get("draft_parallel_ms")
+        out[str(shape)] = {
+            "draft_step_ms": _number(e, "draft_step_ms", w, float, 1e-12),
+            "draft_collectives": _number(e, "draft_collectives", w, int),
+            "draft_parallel_ms": None if par is None else _ms_table(par, w, "draft_parallel_ms")}
+    return out
+
+
+def with_draft_layer(p: NodeProfile, layer: str | None) -> NodeProfile:
+    """`p` pricing a drafter whose decoder layer is `layer` ("llama", "mla"; None: as is): an
+    MLA layer reads other weights than a Llama one (q/kv LoRA projections, replicated across
+    the tensor-parallel GPUs where the engines do not split them), so its forward costs
+    differently; its collectives are counted in the profile too. Refuses a shape the profile
+    does not price."""
+    if layer is None or layer == p.draft_layer:
+        return p
+    entry = (p.draft_layers or {}).get(layer)
+    if entry is None:
+        raise ValueError(f"profile {p.name}: prices drafter layer {p.draft_layer!r} and "
+                         f"{sorted(p.draft_layers or {})}, not {layer!r}: add draft_layers."
+                         f"{layer} (draft_step_ms, draft_collectives) to it")
+    others = {p.draft_layer: {"draft_step_ms": p.draft_step_ms,
+                              "draft_collectives": p.draft_collectives,
+                              "draft_parallel_ms": p.draft_parallel_ms},
+              **{k: v for k, v in p.draft_layers.items() if k != layer}}
+    return dataclasses.replace(p, draft_layer=layer, draft_layers=others, **entry)
 
 
 def profile_path(name_or_path: str) -> str:

@@ -1,7 +1,9 @@
 """CPU serving kernels for the verifier and drafter: attention that computes for every token of a
 verify what a one-token decode step computes (batch invariant, so greedy speculation is exact in
-bf16), tree attention (every root-to-leaf path of a speculative tree attends as a chain), and
-linears on oneDNN/MKL kernels suited to the few rows a verify carries, tuned per host.
+bf16; MLA's value heads narrower than its query heads included), tree attention (every
+root-to-leaf path of a speculative tree attends as a chain), linears on oneDNN/MKL kernels
+suited to the few rows a verify carries, tuned per host, and MoE blocks that route and compute
+a verify's tokens one at a time (batch invariant).
 
     python -m eagle3_ray.bench.verify_cost --threads 1   # a verify of k tokens vs k decode steps
 """
@@ -19,24 +21,28 @@ INVARIANT_ATTENTION = "eagle3_batch_invariant"
 def batch_invariant_attention(module, query, key, value, attention_mask, scaling=None,
                               dropout=0.0, tree=None, **kwargs):
     """Causal attention for one unpadded sequence whose every query row computes what it would
-    in a one-token forward. On GPUs and where oneDNN has CPU kernels for the dtype (fp32; bf16
-    on AVX512-BF16 / AMX): scores against all cached keys (one matmul per KV head), the keys a
+    in a one-token forward. On GPUs and where oneDNN has CPU kernels for bf16 (AVX512-BF16 /
+    AMX; _one_token_at_a_time): scores against all cached keys (one matmul per KV head), the keys a
     row may not see masked to -inf after the matmul, softmax, then probabilities @ values; a
     masked key adds an exact 0 to each of a row's sums and those matmuls' per-element results
     depend neither on the rows nor on the keys they carry (checked bit for bit on CPU bf16:
     2-33 rows, 1 and 2 threads; with AMX once the keys are padded to a multiple of 32,
-    _pad_keys). On other CPUs (bf16 on an AVX2-only one: ATen's fallback GEMM
-    sums over the keys in an order set by their count; on SmolLM2 a 9-token verify then
-    differed from 9 decode steps in layer 1) each token attends on its own to exactly the keys
-    it sees: the shapes, and so the kernels, of a one-token forward. A fused kernel (SDPA)
+    _pad_keys). Elsewhere on CPUs (bf16 on an AVX2-only one: ATen's fallback GEMM sums over the
+    keys in an order set by their count; on SmolLM2 a 9-token verify then differed from 9
+    decode steps in layer 1. fp32 anywhere: torch's fp32 matmuls run on MKL, not oneDNN, and
+    theirs differed between 1, 2 and 8 rows on an AVX2-only EPYC) each token attends on its own to
+    exactly the keys it sees: the shapes, and so the kernels, of a one-token forward. This
+    matters most where a KV head serves one query head (MLA, nh == nkv): a one-token forward's
+    matmuls then have one row (a GEMV) against a verify's several. A fused kernel (SDPA)
     blocks its softmax over the keys differently per query length and does neither. A prefill
     (no cache) is shared by every path and stays fused. tests/serve/test_speculate.py and
     tests/test_embedded.py.
     tree (a speculative tree verify: tree_layout): the q new tokens form a tree whose every
     root-to-leaf path attends as a chain of its own (_tree_attention).
-    query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D] (transformers' interface)."""
+    query/key [1, nh, q, D] / [1, nkv, kv, D], value [1, nkv, kv, Dv] -> [1, q, nh, Dv]
+    (transformers' interface; MLA's Dv differs from D: DeepSeek-V3 192 / 128)."""
     b, nh, q, d = query.shape
-    nkv, kv = key.shape[1], key.shape[2]
+    nkv, kv, dv = key.shape[1], key.shape[2], value.shape[-1]
     if b != 1:
         raise ValueError(f"{INVARIANT_ATTENTION} attention takes batch 1, got {b}")
     if tree is not None:
@@ -49,20 +55,36 @@ def batch_invariant_attention(module, query, key, value, attention_mask, scaling
         return out.transpose(1, 2), None
     g = nh // nkv                                              # query heads per KV head
     scale = scaling if scaling is not None else d ** -0.5
-    if q > 1 and query.is_cpu and query.dtype not in _packable_dtypes():  # a token at a time
+    if q > 1 and _one_token_at_a_time(query):                  # a token at a time
         outs = [batch_invariant_attention(module, query[:, :, i:i + 1], key[:, :, :kv - q + i + 1],
                                           value[:, :, :kv - q + i + 1], None, scale)[0]
                 for i in range(q)]
         return torch.cat(outs, 1), None
     rows = query.reshape(nkv, g * q, d)               # row j·q + i: head kv·g + j, token i
-    s = (rows @ key[0].transpose(-1, -2)).float() * scale      # [nkv, g·q, kv]
+    s = _rows_matmul(rows, key[0].transpose(-1, -2)).float() * scale   # [nkv, g·q, kv]
     if q > 1:                                                  # token i sees keys 0 .. kv-q+i
         pos = torch.arange(kv - q, kv, device=query.device).repeat(g)            # [g·q]
         hidden = torch.arange(kv, device=query.device) > pos[:, None]             # [g·q, kv]
         s = s.masked_fill(hidden, float("-inf"))
-    s, v = _pad_keys(s, value[0])                              # [nkv, g·q, kv'], [nkv, kv', D]
-    out = s.softmax(-1).to(value.dtype) @ v                    # [nkv, g·q, D]
-    return out.reshape(1, nh, q, d).transpose(1, 2), None      # [1, q, nh, D]
+    s, v = _pad_keys(s, value[0])                              # [nkv, g·q, kv'], [nkv, kv', Dv]
+    out = _rows_matmul(s.softmax(-1).to(value.dtype), v)       # [nkv, g·q, Dv]
+    return out.reshape(1, nh, q, dv).transpose(1, 2), None     # [1, q, nh, Dv]
+
+
+def _rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [.., n, K] @ b [.., K, N] with fewer than _ONEDNN_MIN_ROWS rows padded up to them, as
+    FewRowLinear pads its rows (oneDNN's one-row kernels block differently from its multi-row
+    ones): where a KV head serves one query head (MLA), a decode step's matmuls have a single
+    row. Not measured on a bf16 oneDNN host (this one is AVX2-only): check_exact decides."""
+    return (_pad_rows(a, _ONEDNN_MIN_ROWS) @ b)[..., :a.shape[-2], :]
+
+
+def _one_token_at_a_time(query: torch.Tensor) -> bool:
+    """Whether batch_invariant_attention runs a verify's tokens one at a time here: on CPUs,
+    unless the query is bf16 and oneDNN has bf16 kernels (the matmul path's kernels, checked
+    row- and key-invariant there)."""
+    return query.is_cpu and not (query.dtype == torch.bfloat16
+                                 and torch.bfloat16 in _packable_dtypes())
 
 
 # The probabilities @ values matmul sums over the keys. With AMX (oneDNN's bf16 tiles take 32
@@ -117,14 +139,14 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
     come after every real row's last key, masked like a chain verify's later tokens). The
     gathered keys are padded to a multiple of _KEY_BLOCK with copies of key 0 at probability
     exactly 0, which adds to each sum what _pad_keys's zero values do.
-    query [1, nh, q, D], key/value [1, nkv, kv, D] -> [1, q, nh, D]."""
+    query [1, nh, q, D], key [1, nkv, kv, D], value [1, nkv, kv, Dv] -> [1, q, nh, Dv]."""
     _, nh, q, d = query.shape
-    nkv = key.shape[1]
+    nkv, dv = key.shape[1], value.shape[-1]
     index, keys = tree["index"], tree["keys"]                              # [P, L], [P, K]
     n_paths, width = index.shape
     scale = scaling if scaling is not None else d ** -0.5
-    if query.is_cpu and query.dtype not in _packable_dtypes():            # a token at a time
-        out = query.new_empty(1, q, nh, d)
+    if _one_token_at_a_time(query):                                        # a token at a time
+        out = query.new_empty(1, q, nh, dv)                                # [1, q, nh, Dv]
         cached = keys.shape[1] - width
         for p, n in enumerate(tree["lengths"]):   # the path's own tokens, not its padding: a
             idx, seen = index[p, :n], keys[p, :cached + n]   # padded copy would see itself twice
@@ -134,13 +156,13 @@ def _tree_attention(module, query, key, value, scaling, tree: dict):
     g = nh // nkv
     qp = query[0][:, index].reshape(nkv, g, n_paths, width, d)            # [nkv, g, P, L, D]
     rows = qp.transpose(1, 2).reshape(nkv, n_paths, g * width, d)         # row j·L + i
-    k, v = key[0][:, tree["gather"]], value[0][:, tree["gather"]]          # [nkv, P, K', D]
-    s = (rows @ k.transpose(-1, -2)).float() * scale                       # [nkv, P, g·L, K']
+    k, v = key[0][:, tree["gather"]], value[0][:, tree["gather"]]   # [nkv, P, K', D / Dv]
+    s = _rows_matmul(rows, k.transpose(-1, -2)).float() * scale           # [nkv, P, g·L, K']
     s = s.view(nkv, n_paths, g, width, -1).masked_fill(tree["hidden"], float("-inf"))
     s = s.view(nkv, n_paths, g * width, -1)               # path token i sees keys 0 .. cached+i
-    out = s.softmax(-1).to(v.dtype) @ v                                    # [nkv, P, g·L, D]
-    out = out.reshape(nkv, n_paths, g, width, d).permute(1, 3, 0, 2, 4)   # [P, L, nkv, g, D]
-    return out.reshape(n_paths * width, nh, d)[tree["first"]][None], None  # [1, q, nh, D]
+    out = _rows_matmul(s.softmax(-1).to(v.dtype), v)                       # [nkv, P, g·L, Dv]
+    out = out.reshape(nkv, n_paths, g, width, dv).permute(1, 3, 0, 2, 4)  # [P, L, nkv, g, Dv]
+    return out.reshape(n_paths * width, nh, dv)[tree["first"]][None], None  # [1, q, nh, Dv]
 
 
 # Few-row CPU matmuls (a decode step: 1 row, a speculative verify: 2-33). Measured on this
@@ -385,13 +407,67 @@ def allow_trees(model) -> None:
         model.set_attn_implementation(TREE_ATTENTION)
 
 
+def moe_blocks(model) -> list[torch.nn.Module]:
+    """The mixture-of-experts blocks of `model`, found by structure: modules with a router
+    (`gate`) and `experts` (DeepSeek-V3 / Kimi-K2.5, Qwen-MoE, Mixtral in transformers)."""
+    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+
+
+class PerTokenMoE:
+    """The forward of one MoE block (moe_blocks) that routes and computes each token on its
+    own, exactly as a one-token forward does: transformers' MoE routes all rows with one
+    F.linear and runs each hit expert once over the tokens routed to it, so a token's
+    experts see a row count (GEMV or GEMM, the kernels' blocking) set by how many tokens the
+    forward carries and which of them chose the same expert. Per token, a verify of k tokens
+    makes k calls of the block's own forward, each what decoding that token runs: batch
+    invariant by construction, on any device and kernel (the router in fp32, the experts'
+    3-D weights and their transformers experts implementation included). A prefill (nothing
+    cached: `state["prefill"]`, set by a hook on the decoder) is shared by every path and
+    stays batched: per token it cost x18 (60 tokens, deepseek_verifier, fp32, 1 thread)."""
+
+    def __init__(self, block: torch.nn.Module, state: dict):
+        self.block, self.state = block, state
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        forward = type(self.block).forward                    # the block's own
+        h = hidden_states.shape[-1]
+        tokens = hidden_states.reshape(-1, 1, 1, h)                              # [n, 1, 1, H]
+        if len(tokens) == 1 or self.state["prefill"]:
+            return forward(self.block, hidden_states)
+        return torch.cat([forward(self.block, t) for t in tokens]).reshape(
+            hidden_states.shape)                                                 # [.., H]
+
+
+def _per_token_moe(model) -> None:
+    """Route `model`'s MoE blocks through PerTokenMoE (once), with a decoder hook that tells
+    them whether a forward is a prefill (no cache, or an empty one)."""
+    blocks = [b for b in moe_blocks(model) if not isinstance(b.forward, PerTokenMoE)]
+    if not blocks:
+        return
+    state = {"prefill": True}
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder.register_forward_pre_hook(functools.partial(_note_prefill, state), with_kwargs=True)
+    for block in blocks:
+        block.forward = PerTokenMoE(block, state)
+
+
+def _note_prefill(state: dict, module, args, kwargs) -> None:
+    """A decoder's forward pre-hook: state["prefill"] = whether this forward has nothing cached
+    (transformers passes the cache as `cache`, formerly `past_key_values`)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    state["prefill"] = cache is None or cache.get_seq_length() == 0
+
+
 def make_batch_invariant(model) -> None:
     """Make a batch-1 decoder's per-token outputs independent of how many tokens a forward
     carries, so speculative verification (d+1 tokens) computes bit for bit what plain decoding
-    (1 token) does. Needed for exact greedy equality in bf16/fp16; fp32 rounding differences are
-    ~1e-7 and stay below argmax ties in practice. Measured on a 2-core AVX512-BF16 CPU (SmolLM2,
-    bf16, 1 thread): see eagle3_ray/bench/verify_cost.py."""
+    (1 token) does: attention (batch_invariant_attention, MLA's value head size too), linears
+    (FewRowLinear) and MoE blocks (PerTokenMoE). Needed for exact greedy equality in
+    bf16/fp16; fp32 rounding differences are ~1e-7 and stay below argmax ties in practice on
+    dense models (an MoE router's top-k can flip on them). Measured on a 2-core AVX512-BF16 CPU
+    (SmolLM2, bf16, 1 thread): see eagle3_ray/bench/verify_cost.py."""
     from transformers import AttentionInterface
     AttentionInterface.register(INVARIANT_ATTENTION, batch_invariant_attention)
     model.set_attn_implementation(INVARIANT_ATTENTION)
     use_few_row_kernels(model, batch_invariant=True)
+    _per_token_moe(model)

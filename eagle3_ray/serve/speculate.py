@@ -133,7 +133,9 @@ class NgramLookup:
 
 class DraftKV:
     """The drafter's KV cache, as the `attend(q, k, v)` of Eagle3Drafter.forward: appends the
-    new keys/values and lets each new query see every cached key up to its own position."""
+    new keys/values and lets each new query see every cached key up to its own position.
+    Keys [1, nkv, L, D], values [1, nkv, L, Dv] (an MLA drafter: Dv may differ from D; the
+    scale is D^-0.5, SDPA's default)."""
 
     def __init__(self):
         self.k = self.v = None                                        # [1, nkv, L, D]
@@ -151,18 +153,19 @@ class DraftKV:
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         b, nh, s, d = q.shape
         keys, values = self.k, self.v
+        dv = values.shape[-1]
         if s == 1:                        # a draft step: its one query sees every cached key,
             nkv = keys.shape[1]           # so a KV group's g query heads are g unmasked rows
             rows = q.reshape(1, nkv, nh // nkv, d)                       # [1, nkv, g, D], GQA
-            out = F.scaled_dot_product_attention(rows, keys, values)     # [1, nkv, g, D]
-            return out.reshape(b, 1, nh * d)                             # [1, 1, nh*D]
+            out = F.scaled_dot_product_attention(rows, keys, values)     # [1, nkv, g, Dv]
+            return out.reshape(b, 1, nh * dv)                            # [1, 1, nh*Dv]
         if nh != keys.shape[1]:                                           # GQA
             keys = keys.repeat_interleave(nh // keys.shape[1], dim=1)     # [1, nh, L, D]
             values = values.repeat_interleave(nh // values.shape[1], dim=1)
         pos_q = torch.arange(old, old + s, device=q.device)[:, None]
         mask = torch.arange(old + s, device=q.device)[None, :] <= pos_q   # [s, L]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [1, nh, s, D]
-        return out.transpose(1, 2).reshape(b, s, nh * d)                 # [1, s, nh*D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [1, nh, s, Dv]
+        return out.transpose(1, 2).reshape(b, s, nh * dv)                # [1, s, nh*Dv]
 
 
 class BranchKV:
@@ -184,8 +187,8 @@ class BranchKV:
                        rows @ self.k.transpose(-1, -2)], dim=-1)           # [b, nkv, g, L+m]
         p = (s.float() * d ** -0.5).softmax(-1).to(shared_v.dtype)
         n = shared_k.shape[1]
-        out = p[..., :n] @ shared_v + p[..., n:] @ self.v                  # [b, nkv, g, D]
-        return out.reshape(b, 1, nh * d)                                   # [b, 1, nh*D]
+        out = p[..., :n] @ shared_v + p[..., n:] @ self.v                  # [b, nkv, g, Dv]
+        return out.reshape(b, 1, nh * self.v.shape[-1])                    # [b, 1, nh*Dv]
 
 
 def probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -286,6 +289,9 @@ def check_exact(spec: Speculator, seed: int = 0) -> dict[str, bool]:
     (EXACT_PATHS) against that path verified as a chain. Random tokens after a random cache
     of each length in EXACT_CACHED. Bit for bit when batch invariant (bf16: what greedy
     equality needs), else to 1e-3 (fp32 rounds differently per token count anyway, ~1e-6).
+    The forwards run every kernel a verify does: attention (MLA's too), linears, and an MoE
+    verifier's routing (kernels.PerTokenMoE when batch invariant; tests/serve/
+    test_speculate.py over both verifier families, test_speculate_deepseek.py).
     Costs ~20 verifier forwards, once per Speculator. Kernels, not host kinds, decide: a
     bf16 tree verify was not exact on AVX2-only CPUs until kernels._tree_attention's
     token-at-a-time path stopped attending to its padding (issue 48)."""
@@ -329,7 +335,7 @@ def inexact_reason(spec: Speculator, path: str) -> str:
                   "serve at depth 0"),
         "tree": ("a tree verify", "its paths verified as chains",
                  "use chains (branches 1, no lookup branch)")}[path]
-    if spec.batch_invariant and spec.device.type == "cpu":
+    if spec.batch_invariant and spec.device.type == "cpu" and dtype != "float32":
         instead += ", or run the verifier in fp32 (EAGLE3_RAY_NATIVE_BF16=0)"
     return (f"on this host's kernels {what} of the {dtype} verifier does not compute what "
             f"{other} do (Speculator.check_exact, on random tokens at start-up), so greedy "
@@ -343,8 +349,13 @@ class Speculator:
     def __init__(self, model, drafter=None, layer_ids: list[int] | None = None,
                  batch_invariant: bool | None = None, simulated_comm=None):
         """The drafter moves to the verifier's device and dtype. batch_invariant (default: when
-        the verifier runs in bf16/fp16) makes the verifier's outputs independent of the number
-        of tokens per forward, for exact greedy equality (kernels.make_batch_invariant). Both
+        the verifier runs in bf16/fp16, or has MoE blocks) makes the verifier's outputs
+        independent of the number of tokens per forward, for exact greedy equality
+        (kernels.make_batch_invariant). An fp32 MoE verifier takes it too: a verify's ~1e-6
+        rounding differences reach its router, whose top-k can flip on a near tie (experts
+        chosen otherwise than decoding would; 0 of 8,960 routings on the 8-expert test model,
+        but Kimi has 384), which check_exact's fp32 tolerance could not catch. It costs a
+        verify ~2.8x on the test model (the MoE and attention a token at a time). Both
         models' linear layers then run on CPU kernels suited to few rows (kernels.
         use_few_row_kernels; they keep a packed copy of the weights).
         simulated_comm: a SIMULATION of a multi-GPU node's interconnect, (tokens in a verifier
@@ -353,7 +364,8 @@ class Speculator:
         self.model, self.device, self.simulated_comm = model, p.device, simulated_comm
         self.drafter = drafter.to(device=p.device, dtype=p.dtype) if drafter is not None else None
         if batch_invariant is None:
-            batch_invariant = p.dtype in (torch.bfloat16, torch.float16)
+            batch_invariant = (p.dtype in (torch.bfloat16, torch.float16)
+                               or bool(kernels.moe_blocks(model)))
         if batch_invariant:
             kernels.make_batch_invariant(model)
         else:                                      # fp32: the fastest kernel for each row count

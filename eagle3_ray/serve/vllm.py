@@ -224,6 +224,26 @@ def drafts_in_parallel(export_dir: str) -> bool:
     return True
 
 
+def check_cpu_drafter_layer(model_dir: str, export_dir: str, gpus: float = 0) -> None:
+    """Refuse, before vLLM starts, a Llama-layer drafter for an MLA (DeepSeek / Kimi) verifier on
+    vLLM's CPU build: its CPU MLA backend takes KV blocks of 16 tokens only, its CPU attention
+    backend (the Llama layer's) multiples of 32, and one engine needs one block size for both
+    ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])", vLLM 0.32).
+    An MLA-layer drafter shares the target's backend; GPUs run either."""
+    from eagle3_ray.engine import vllm as engine
+    if gpus or not os.path.isdir(model_dir) or not engine.is_deepseek(model_dir):
+        return
+    with open(os.path.join(export_dir, "config.json")) as f:
+        arch = (json.load(f).get("architectures") or [""])[0]
+    if arch == "LlamaForCausalLMEagle3":
+        raise ValueError(f"{export_dir}: a Llama-layer drafter for the MLA verifier {model_dir} "
+                         "on vLLM's CPU build: its CPU MLA backend (the verifier's) takes KV "
+                         "blocks of 16 only and its CPU attention backend (the drafter's) "
+                         "multiples of 32, so vLLM cannot start (\"No common block size\"). "
+                         "Train an MLA-layer drafter (train --draft-layer mla), or serve on GPUs "
+                         "(--gpus-per-replica); the builtin engine serves either")
+
+
 def eagle3_speculative_config(export_dir: str, depth: int) -> dict:
     """vLLM's speculative_config for our drafter export at `depth` (> 0) draft tokens.
 
@@ -280,7 +300,9 @@ def deployment_config(cfg) -> dict:
 def engine_kwargs(cfg, drafter_dir: str | None) -> dict:
     """vLLM's engine arguments: engine.vllm.engine_kwargs (dtype, eager, CPU KV space, sized
     to this host) + tensor_parallel_size, max_model_len, speculative_config."""
-    kw = engine_vllm.engine_kwargs(dtype=getattr(cfg, "dtype", None),
+    source = verifier_source(cfg)
+    kw = engine_vllm.engine_kwargs(model=source if os.path.isdir(source) else None,
+                                   dtype=getattr(cfg, "dtype", None),
                                    gpus=float(cfg.gpus_per_replica or 0),
                                    max_model_len=cfg.max_model_len,
                                    enforce_eager=getattr(cfg, "eager", None),
@@ -325,7 +347,9 @@ def prepare(cfg) -> str | None:
     if not (cfg.drafter and cfg.depth):
         return None
     _check_drafter_fits(cfg)
-    return ensure_vllm_export(cfg)
+    export = ensure_vllm_export(cfg)
+    check_cpu_drafter_layer(verifier_source(cfg), export, float(cfg.gpus_per_replica or 0))
+    return export
 
 
 def app_configs(cfg, name: str = "eagle3") -> list[dict]:

@@ -1,6 +1,7 @@
-"""Stage 2: hidden states -> a drafter. The first four are pure PyTorch (no Ray).
+"""Stage 2: hidden states -> a drafter. The first five are pure PyTorch (no Ray).
 
 draft       the EAGLE-3 drafter model
+mla         its DeepSeek MLA decoder layer option (vLLM's Eagle3DeepseekV3ForCausalLM)
 ttt         the training-time-test unroll and its loss, per-position metrics
 vocab       the reduced draft vocabulary (d2t / t2d)
 checkpoint  the drafter directory: save, load, export to SGLang / vLLM / speculators

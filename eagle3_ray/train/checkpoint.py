@@ -4,11 +4,13 @@ A checkpoint directory holds three files, written atomically (temp dir + rename,
 never leaves a directory that looks complete):
 
     model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V],
-                       mask_hidden [3H] for a parallel drafter; no embed_tokens: the
-                       verifier's embedding is frozen and engines share it
-    config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout (engine_config: the
-                       top-level aux ids in vLLM's convention, eagle_config's in SGLang's), plus
-                       our full DraftConfig under "eagle3_ray"
+                       mask_hidden [3H] for a parallel drafter, fc_norm.{0,1,2} with EAGLE-3.1's
+                       fc_norm; no embed_tokens: the verifier's embedding is frozen and engines
+                       share it
+    config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout, or for an MLA layer
+                       "Eagle3DeepseekV3ForCausalLM" (engine_config: the top-level aux ids in
+                       vLLM's convention, eagle_config's in SGLang's; fc_norm / norm_output),
+                       plus our full DraftConfig under "eagle3_ray"
     meta.json          ttt_steps, dataset manifest hash, metrics, tool version, created time,
                        sizes + sha256 of the two files above, whatever the caller passed
 
@@ -30,6 +32,23 @@ their sources; no code taken):
     "mask_hidden" [3H] into a buffer when speculative_config has "parallel_drafting": true
     (and refuses the checkpoint without it); vllm/v1/spec_decode/llm_base_proposer.py reads
     the config's top-level mask_token_id and feeds each mask slot fc(mask_hidden).
+  - vLLM vllm/model_executor/models/deepseek_eagle3.py (the MLA layer, DraftConfig.layer "mla";
+    registry: Eagle3DeepseekV2ForCausalLM and ...V3... are the same class): builds the layer from
+    a DeepseekV2/V3 config (model_type deepseek_v3: q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim, rope_theta/rope_scaling -> rope_parameters, rms_norm_eps,
+    intermediate_size for its always-dense MLP); load_weights as llama_eagle3's (t2d skipped,
+    d2t -> draft_id_to_target_id only for a reduced vocab, "model." prefix), then
+    "midlayer." -> "layers.0.", q_a_proj + kv_a_proj_with_mqa stacked into fused_qkv_a_proj
+    (so q-LoRA is required: without it there is no fused_qkv_a_proj), gate/up into
+    gate_up_proj. The config states n_routed_experts 0 / first_k_dense_replace 1 (the layer is
+    dense anyway; transformers' DeepseekV3Config refuses None there).
+    EAGLE-3.1 (both vLLM files): `fc_norm` true -> fc_norm.{i} RMSNorms [target_hidden_size]
+    on each aux chunk before fc (combine_hidden_states, mask_hidden's too); `norm_output` true
+    -> the next draft step gets norm(h + residual) instead of h + residual.
+  - SGLang python/sglang/srt/models/kimi_k25_eagle3.py (Eagle3DeepseekV2ForCausalLM): the MLA
+    layer with the same names (midlayer.*, fc_norm.{i}; q_a_proj/kv_a_proj_with_mqa fused on
+    load), fc_norm / norm_output, q_lora_rank required; SGLang's llama_eagle3.py reads neither
+    toggle and skips unknown weights, so a Llama-layer 3.1 drafter has no SGLang export.
   - SGLang python/sglang/srt/model_executor/model_runner.py reads
     `eagle_config["eagle_aux_hidden_state_layer_ids"]` (nested only), and
     python/sglang/srt/models/llama.py (set_eagle3_layers_to_capture) captures at
@@ -51,7 +70,8 @@ their sources; no code taken):
     present only when draft_vocab_size != vocab_size (src/speculators/model.py _init_vocab).
     vLLM's reader vllm/transformers_utils/configs/speculators/algos.py (update_eagle3) uses
     those ids as-is (vLLM convention) and defaults norm_before_residual to *True*, so we
-    always write it explicitly; base.py requires speculators_config.proposal_methods[0]
+    always write it explicitly, and passes fc_norm / norm_output on (an MLA layer: refused,
+    its model_type map is llama/qwen3 only); base.py requires speculators_config.proposal_methods[0]
     .speculative_tokens and .verifier.name_or_path. speculators' own loader
     (src/speculators/models/eagle3/core.py, model.py load_verifier_weights) reads the verifier's
     config and embedding from name_or_path, so that is the materialized verifier directory.
@@ -76,7 +96,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_ray import __version__
 from eagle3_ray.data import schema
 from eagle3_ray.engine import hf as verifier
-from eagle3_ray.train import draft
+from eagle3_ray.train import draft, mla
 from eagle3_ray.train.draft import DraftConfig
 from eagle3_ray.train.vocab import check_mapping
 
@@ -103,17 +123,36 @@ SGLANG_LAYER_ID_CONVENTION = ("sglang: config id j captures the output of decode
 
 # --- names, shapes, config --------------------------------------------------------------------
 
+def _attention_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """midlayer.self_attn.* weight shapes: Llama q/k/v/o, or MLA (mla.py; vLLM's names)."""
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    a = "midlayer.self_attn."
+    if cfg.layer == "mla":
+        qk, r = cfg.qk_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            q = {a + "q_a_proj.weight": (cfg.q_lora_rank, 2 * h),
+                 a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                 a + "q_b_proj.weight": (nh * qk, cfg.q_lora_rank)}
+        else:
+            q = {a + "q_proj.weight": (nh * qk, 2 * h)}
+        return {**q,
+                a + "kv_a_proj_with_mqa.weight": (r + cfg.qk_rope_head_dim, 2 * h),
+                a + "kv_a_layernorm.weight": (r,),
+                a + "kv_b_proj.weight": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
+                a + "o_proj.weight": (h, nh * cfg.v_head_dim)}
+    q, kv = nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {a + "q_proj.weight": (q, 2 * h), a + "k_proj.weight": (kv, 2 * h),
+            a + "v_proj.weight": (kv, 2 * h), a + "o_proj.weight": (h, q)}
+
+
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Every tensor of a drafter checkpoint -> (shape, required dtype or None for any float)."""
-    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    h, i = cfg.hidden_size, cfg.intermediate_size
     parallel = {"mask_hidden": ((3 * h,), None)} if cfg.parallel else {}   # P-EAGLE, vLLM's name
-    return {**parallel,
+    fc_norm = {f"fc_norm.{j}.weight": ((h,), None) for j in range(3)} if cfg.fc_norm else {}
+    return {**parallel, **fc_norm,
         "fc.weight": ((h, 3 * h), None),
-        "midlayer.self_attn.q_proj.weight": ((q, 2 * h), None),
-        "midlayer.self_attn.k_proj.weight": ((kv, 2 * h), None),
-        "midlayer.self_attn.v_proj.weight": ((kv, 2 * h), None),
-        "midlayer.self_attn.o_proj.weight": ((h, q), None),
+        **{k: (shape, None) for k, shape in _attention_shapes(cfg).items()},
         "midlayer.mlp.gate_proj.weight": ((i, h), None),
         "midlayer.mlp.up_proj.weight": ((i, h), None),
         "midlayer.mlp.down_proj.weight": ((h, i), None),
@@ -151,19 +190,39 @@ def _dtype_name(state: dict[str, torch.Tensor]) -> str:
     return str(state["fc.weight"].dtype).removeprefix("torch.")
 
 
-def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
-    """config.json body in the SGLang/vLLM LlamaForCausalLMEagle3 layout. One config both
-    engines read as trained: the top-level ids are vLLM's (the input of layer i), eagle_config's
-    are SGLang's (the output of layer j = i - 1)."""
+# The MLA drafter's architecture per engine: vLLM registers both names for deepseek_eagle3.py's
+# Eagle3DeepseekV2ForCausalLM; SGLang's kimi_k25_eagle3.py registers only the V2 name.
+MLA_ARCHITECTURES = {"vllm": "Eagle3DeepseekV3ForCausalLM", "sglang": "Eagle3DeepseekV2ForCausalLM"}
+
+
+def _layer_config(cfg: DraftConfig, fmt: str | None) -> dict:
+    """The decoder layer's part of config.json: LlamaForCausalLMEagle3's, or for an MLA layer
+    a DeepseekV3Config that vLLM's deepseek_eagle3.py / SGLang's kimi_k25_eagle3.py build the
+    layer from (q_lora_rank, kv_lora_rank, qk_nope/qk_rope/v_head_dim, interleaved rope); its
+    MLP is dense in both whatever the MoE keys say, which state it anyway (no routed experts,
+    first_k_dense_replace 1: every one of its 1 layers dense)."""
+    common = {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_attention_heads": cfg.num_attention_heads,
+              "num_key_value_heads": cfg.num_key_value_heads}
+    if cfg.layer != "mla":
+        return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **common,
+                "head_dim": cfg.head_dim}
+    return {"architectures": [MLA_ARCHITECTURES.get(fmt, MLA_ARCHITECTURES["vllm"])],
+            "model_type": "deepseek_v3", **common,
+            **{k: getattr(cfg, k) for k in mla.MLA_KEYS},
+            "rope_interleave": True, "first_k_dense_replace": 1, "n_routed_experts": 0}
+
+
+def engine_config(cfg: DraftConfig, torch_dtype: str, fmt: str | None = None) -> dict:
+    """config.json body in the SGLang/vLLM LlamaForCausalLMEagle3 layout (an MLA layer: the
+    Eagle3DeepseekV3ForCausalLM one, _layer_config; fmt "sglang" names SGLang's architecture).
+    One config both engines read as trained: the top-level ids are vLLM's (the input of layer
+    i), eagle_config's are SGLang's (the output of layer j = i - 1). fc_norm / norm_output:
+    EAGLE-3.1's toggles as vLLM (llama_eagle3.py, deepseek_eagle3.py) and SGLang's MLA drafter
+    read them."""
     ids = verifier.check_layer_ids(cfg.aux_layer_ids, where="DraftConfig.aux_layer_ids")
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
+        **_layer_config(cfg, fmt),
         "num_hidden_layers": 1,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -178,6 +237,8 @@ def engine_config(cfg: DraftConfig, torch_dtype: str) -> dict:
         "tie_word_embeddings": False,
         "torch_dtype": torch_dtype,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         # vLLM reads the top-level ids (eagle3_utils.py); SGLang reads eagle_config's only.
         "eagle_aux_hidden_state_layer_ids": ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(ids),
@@ -199,7 +260,7 @@ def _ours(cfg: DraftConfig, **extra) -> dict:
 
 def _engine_json(cfg: DraftConfig, torch_dtype: str, **extra) -> dict:
     """engine_config + our block, saying which convention each of the two id keys uses."""
-    return dict(engine_config(cfg, torch_dtype), eagle3_ray=_ours(
+    return dict(engine_config(cfg, torch_dtype, extra.get("export")), eagle3_ray=_ours(
         cfg, eagle_config_layer_id_convention=SGLANG_LAYER_ID_CONVENTION, **extra))
 
 
@@ -457,7 +518,7 @@ def _speculators_config(cfg: DraftConfig, dtype: str, verifier_path: str,
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": NORM_BEFORE_RESIDUAL,
-        "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "norm_before_fc": False, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
         "target_hidden_size": cfg.hidden_size,
         # vLLM's speculators reader (algos.py, update_eagle3) and speculators read this one
         # list, as vLLM ids; no engine reads an eagle_config here.
@@ -507,6 +568,7 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
         raise ValueError(f"{src_dir}: a parallel (P-EAGLE) drafter exports for vLLM only "
                          f"(format 'vllm'); {format!r} has no parallel drafting we can target "
                          "(SGLang: PR #27498 not merged)")
+    refuse_layer_export(cfg, format, src_dir)
     spec = verifier_path or meta.get("verifier")
     vdir = None
     if format == "speculators":
@@ -532,6 +594,25 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
         config = _speculators_config(cfg, dtype, vdir, k)
     _write_dir(out_dir, tensors, config, None)
     return os.path.abspath(out_dir)
+
+
+def refuse_layer_export(cfg: DraftConfig, format: str, where: str) -> None:
+    """Refuse, by name and reason, a layer shape / EAGLE-3.1 toggle `format`'s loader lacks."""
+    if cfg.layer == "mla" and format == "speculators":
+        raise ValueError(f"{where}: an MLA drafter has no speculators export: speculators' "
+                         "Eagle3 models are Llama/Qwen3 layers and vLLM's speculators reader "
+                         "(transformers_utils/configs/speculators/algos.py) maps model_type "
+                         "llama/qwen3 only; export --format vllm (Eagle3DeepseekV3ForCausalLM)")
+    if cfg.layer == "mla" and not cfg.q_lora_rank and format in ("vllm", "sglang"):
+        raise ValueError(f"{where}: an MLA drafter without q-LoRA (q_lora_rank None) does not "
+                         f"load in {format}: vLLM's deepseek_eagle3.py maps kv_a_proj_with_mqa "
+                         "into fused_qkv_a_proj, which exists only with q-LoRA, and SGLang's "
+                         "kimi_k25_eagle3.py refuses it; train with a q_lora_rank")
+    if cfg.layer != "mla" and format == "sglang" and (cfg.fc_norm or cfg.norm_output):
+        raise ValueError(f"{where}: fc_norm / norm_output (EAGLE-3.1) with a Llama layer have "
+                         "no SGLang export: SGLang's llama_eagle3.py (LlamaForCausalLMEagle3) "
+                         "reads neither and skips fc_norm.* weights silently, so it would run "
+                         "another model; export --format vllm")
 
 
 def check_names(model, state: dict, where: str) -> None:

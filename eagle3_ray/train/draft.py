@@ -1,17 +1,24 @@
 """The EAGLE-3 drafter (pure PyTorch, no Ray, no TTT logic — that lives in ttt.py).
 
-    fc: 3H -> H fuses the verifier's (low, mid, high) aux states
-    midlayer: one Llama decoder layer whose attention input is
-              concat(input_layernorm(embed(token)), hidden_norm(hidden)) = 2H;
-              its residual stream is the incoming *hidden* (pre-hidden_norm), not the embedding
+    fc: 3H -> H fuses the verifier's (low, mid, high) aux states (EAGLE-3.1 fc_norm: each of
+        the three first RMS-normed by its own fc_norm.{0,1,2}, as vLLM's combine_hidden_states)
+    midlayer: one decoder layer, Llama (layer="llama") or DeepSeek MLA (layer="mla", mla.py),
+              whose attention input is concat(input_layernorm(embed(token)), hidden_norm(hidden))
+              = 2H; its residual stream is the incoming *hidden* (pre-hidden_norm), not the
+              embedding; a dense MLP either way
     norm, lm_head: H -> draft_vocab_size
+    the next draft step is fed the layer's output, or norm(output) with EAGLE-3.1 norm_output
+        (vLLM's aux_output): forward applies that norm to an incoming [.., H] state itself, so
+        callers always hand back the pre-norm output they got
     d2t [Vd] int64 offsets (draft id i -> target id i + d2t[i]), t2d [V] bool
     embed_tokens: the verifier's, frozen
 
-Weight names follow the SGLang/vLLM "LlamaForCausalLMEagle3" layout (see DESIGN.md). The layer
-is split into pieces — `qkv` (norms, concat, projections, RoPE), an attention pattern supplied
-by the caller, `finish` (o_proj + residual + MLP), `logits` — so the TTT unroll (ttt.py) and a
-KV-cached speculative decoder reuse the same math with their own attention.
+Weight names follow the SGLang/vLLM "LlamaForCausalLMEagle3" layout (see DESIGN.md), the MLA
+layer's vLLM's "Eagle3DeepseekV3ForCausalLM" (mla.py). The layer is split into pieces — `qkv`
+(norms, concat, projections, RoPE), an attention pattern supplied by the caller, `finish`
+(o_proj + residual + MLP), `logits` — so the TTT unroll (ttt.py) and a KV-cached speculative
+decoder reuse the same math with their own attention (q/k heads of width Dqk, values of Dv:
+they differ for MLA; scale Dqk^-0.5).
 
 `build_drafter` reads only the verifier's embedding, final norm and lm_head (by tensor name,
 from its safetensors shards) and returns the drafter plus a frozen `Teacher` (verifier norm +
@@ -34,6 +41,7 @@ from safetensors import safe_open
 from torch import nn
 
 from eagle3_ray.engine import hf as verifier
+from eagle3_ray.train import mla
 
 # The verifier tensors a drafter is built from (Llama-like names; DeepSeek/Kimi use the same).
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -62,10 +70,25 @@ class DraftConfig:
     mask_token_id: int | None = None     # parallel: the token of the mask slots (its embedding
                                          # is the verifier's, frozen; what sets a slot apart is
                                          # the learned mask_hidden); default vocab_size - 1
+    layer: str = "llama"                 # the decoder layer: "llama" (GQA) or "mla" (DeepSeek
+                                         # MLA, vLLM's Eagle3DeepseekV3ForCausalLM; mla.py)
+    fc_norm: bool = False                # EAGLE-3.1: an RMSNorm per aux state before fc
+    norm_output: bool = False            # EAGLE-3.1: the next draft step is fed norm(output)
+    # MLA dims (layer "mla" only; from_verifier_config: the verifier's, or mla.DEFAULT_DIMS)
+    q_lora_rank: int | None = None       # None: a plain q_proj (no q-LoRA)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self):
         if self.drafting not in DRAFTING:
             raise ValueError(f"drafting must be one of {DRAFTING}, got {self.drafting!r}")
+        if self.layer not in LAYERS:
+            raise ValueError(f"layer must be one of {LAYERS}, got {self.layer!r}")
+        if self.layer == "mla":
+            mla.check_config(self)
+            self.num_key_value_heads = self.num_attention_heads   # MLA: a key/value per head
         if self.drafting == "parallel" and self.mask_token_id is None:
             self.mask_token_id = self.vocab_size - 1
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -76,11 +99,26 @@ class DraftConfig:
     def parallel(self) -> bool:
         return self.drafting == "parallel"
 
+    @property
+    def qk_head_dim(self) -> int:
+        """Dqk: the width of a query/key head (MLA: qk_nope + qk_rope)."""
+        if self.layer == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Dv: the width of a value head, = of attn_out per head (MLA: v_head_dim)."""
+        return self.v_head_dim if self.layer == "mla" else self.head_dim
+
     @classmethod
     def from_verifier_config(cls, config, draft_vocab_size: int = 32000,
                              aux_layer_ids: list[int] | None = None, **overrides) -> "DraftConfig":
         """Shapes from a transformers config of the verifier (its text model's, for a
-        vision-language wrapper); any field can be overridden."""
+        vision-language wrapper); any field can be overridden. head_dim is the verifier's
+        Llama head_dim, or H / heads for a DeepSeek (MLA) verifier, whose config's head_dim is
+        qk_rope_head_dim. layer="mla" takes the MLA dims from a DeepSeek-shaped verifier, else
+        mla.DEFAULT_DIMS (DeepSeek-V3's)."""
         config = config.get_text_config(decoder=True)
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -89,10 +127,12 @@ class DraftConfig:
         if scaling and scaling.get("rope_type", "default") == "default":
             scaling = None
         heads = config.num_attention_heads
+        deepseek = bool(getattr(config, "kv_lora_rank", None))     # MLA: head_dim = qk_rope
         kw = dict(
             hidden_size=config.hidden_size, num_attention_heads=heads,
             num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=(None if deepseek else getattr(config, "head_dim", None))
+            or config.hidden_size // heads,
             intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
             draft_vocab_size=min(draft_vocab_size, config.vocab_size),
             rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6), rope_theta=float(theta),
@@ -100,6 +140,8 @@ class DraftConfig:
             max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
             hidden_act=getattr(config, "hidden_act", "silu"),
             aux_layer_ids=list(aux_layer_ids or []))
+        if overrides.get("layer") == "mla":
+            kw.update(mla.dims_from_verifier(config))
         kw.update(overrides)
         return cls(**kw)
 
@@ -108,6 +150,7 @@ class DraftConfig:
 
 
 DRAFTING = ("chain", "parallel")
+LAYERS = ("llama", "mla")
 
 
 # --- building blocks ------------------------------------------------------------------------
@@ -168,7 +211,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)   # on the token embedding
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)       # on the incoming hidden
-        self.self_attn = Attention(c)
+        self.self_attn = mla.MLAAttention(c) if c.layer == "mla" else Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
@@ -210,14 +253,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal GQA attention: q [B, nh, S, D], k/v [B, nkv, S, D] -> [B, S, nh*D].
-    Right padding needs no key mask: a real query never sees a later (padded) key."""
-    b, nh, s, d = q.shape
+    """Plain causal GQA attention: q [B, nh, S, D], k [B, nkv, S, D], v [B, nkv, S, Dv] ->
+    [B, S, nh*Dv], scale D^-0.5. Right padding needs no key mask: a real query never sees a
+    later (padded) key."""
+    b, nh, s, _ = q.shape
+    d = v.shape[-1]
     if nh != k.shape[1]:  # GQA: query head h uses kv head h // (nh / nkv), as in transformers
         k = k.repeat_interleave(nh // k.shape[1], dim=1)                   # [B, nh, S, D]
-        v = v.repeat_interleave(nh // v.shape[1], dim=1)                   # [B, nh, S, D]
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)          # [B, nh, S, D]
-    return out.transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*D]
+        v = v.repeat_interleave(nh // v.shape[1], dim=1)                   # [B, nh, S, Dv]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)          # [B, nh, S, Dv]
+    return out.transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*Dv]
 
 
 # --- the drafter ----------------------------------------------------------------------------
@@ -235,6 +280,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, h)   # the verifier's, frozen
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(3 * h, h, bias=False)
+        if c.fc_norm:  # EAGLE-3.1: one RMSNorm per aux state (vLLM's fc_norm.{0,1,2})
+            self.fc_norm = nn.ModuleList(RMSNorm(h, c.rms_norm_eps) for _ in range(3))
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(h, c.rms_norm_eps)
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
@@ -257,31 +304,41 @@ class Eagle3Drafter(nn.Module):
             self.mask_hidden.normal_(0.0, self.config.initializer_range)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.config.fc_norm:
+            parts = aux.chunk(3, dim=-1)                                   # 3 x [B, S, H]
+            aux = torch.cat([n(x) for n, x in zip(self.fc_norm, parts)], -1)  # [B, S, 3H]
         return self.fc(aux)  # [B, S, 3H] -> [B, S, H]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers). On
+        """positions [B, S] -> cos, sin [B, 1, S, D] (computed in fp32, like transformers; MLA:
+        [B, 1, S, qk_rope/2], one angle per interleaved pair, mla.rope_cos_sin). On
         CPU read from a table of every position up to the largest seen so far (a draft step
         would otherwise spend ~10 small ops on it); elsewhere computed directly (sizing the
         table would cost a device sync per call)."""
+        table = mla.rope_cos_sin if self.config.layer == "mla" else rope_cos_sin
         if positions.device.type != "cpu":
-            cos, sin = rope_cos_sin(self.config, positions)                # [B, S, D] each
+            cos, sin = table(self.config, positions)                       # [B, S, D] each
         else:
             n = int(positions.max()) + 1 if positions.numel() else 0
             if self._rope_table is None or self._rope_table[0].shape[0] < n:
                 size = max(n, 256 if self._rope_table is None else 2 * len(self._rope_table[0]))
-                self._rope_table = rope_cos_sin(self.config, torch.arange(size))  # [P, D] each
+                self._rope_table = table(self.config, torch.arange(size))  # [P, D] each
             cos, sin = (t[positions] for t in self._rope_table)            # [B, S, D] each
         return cos[:, None].to(dtype), sin[:, None].to(dtype)              # [B, 1, S, D]
 
     def qkv(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """token_ids [B, S], hidden [B, S, H], positions [B, S] ->
-        q [B, nh, S, D], k [B, nkv, S, D] (both RoPE'd at `positions`), v [B, nkv, S, D]."""
+        q [B, nh, S, Dqk], k [B, nkv, S, Dqk] (both RoPE'd at `positions`), v [B, nkv, S, Dv].
+        MLA: nkv = nh (keys/values expanded per head), Dqk = qk_nope + qk_rope, Dv = v_head_dim,
+        and the softmax scale is Dqk^-0.5 as the callers apply it (YaRN's factor is in q)."""
         c, layer = self.config, self.midlayer
         b, s = token_ids.shape
         emb = self.embed_tokens(token_ids).to(hidden.dtype)                # [B, S, H]
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)  # [B, S, 2H]
         attn = layer.self_attn
+        if c.layer == "mla":
+            return attn.qkv(c, x, *self.rope(positions, x.dtype))
+
         nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q = attn.q_proj(x).view(b, s, nh, d).transpose(1, 2)               # [B, nh, S, D]
         k = attn.k_proj(x).view(b, s, nkv, d).transpose(1, 2)              # [B, nkv, S, D]
@@ -292,7 +349,7 @@ class Eagle3Drafter(nn.Module):
         return q, k, v
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """hidden [B, S, H] (the layer's input = its residual), attn_out [B, S, nh*D] ->
+        """hidden [B, S, H] (the layer's input = its residual), attn_out [B, S, nh*Dv] ->
         the layer's output [B, S, H] (pre-final-norm; what the next draft step receives)."""
         layer = self.midlayer
         h = hidden + layer.self_attn.o_proj(attn_out)                      # [B, S, H]
@@ -304,12 +361,15 @@ class Eagle3Drafter(nn.Module):
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 attend=None, masked: int = 0) -> torch.Tensor:
         """One draft step: token_ids [B, S-m], hidden [B, S-m, 3H] (verifier aux states, fused by
-        fc) or [B, S-m, H] (the drafter's own previous output), positions [B, S] -> [B, S, H].
+        fc) or [B, S-m, H] (the drafter's own previous output: with norm_output fed as
+        norm(output), here), positions [B, S] -> [B, S, H] (pre-final-norm).
         masked = m > 0 (a parallel drafter): m mask slots follow, token mask_token_id and hidden
-        fc(mask_hidden) (P-EAGLE; S-m may be 0). `attend(q, k, v) -> [B, S, nh*D]` is the
+        fc(mask_hidden) (P-EAGLE; S-m may be 0). `attend(q, k, v) -> [B, S, nh*Dv]` is the
         attention pattern (default: causal)."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fuse(hidden)                                     # [B, S-m, H]
+        elif self.config.norm_output:  # EAGLE-3.1: the previous step's post-final-norm state
+            hidden = self.norm(hidden)                                     # [B, S-m, H]
         if masked:
             if not self.config.parallel:
                 raise ValueError("mask slots need a parallel drafter (drafting='parallel')")
@@ -463,6 +523,8 @@ def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: 
 
 
 INIT_MODES = ("verifier", "random")
+# The midlayer projections that read the 2H input (init_from_verifier fills their hidden half).
+TWO_H_INPUTS = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa")
 
 
 @torch.no_grad()
@@ -473,7 +535,8 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
         midlayer    the verifier's decoder layer `layer` (default: the highest aux layer id,
                     the layer that consumes that state): hidden_norm <- its input_layernorm,
                     the hidden half of q/k/v_proj (columns H:2H) <- its q/k/v_proj, o_proj,
-                    post_attention_layernorm, mlp <- its own; the embedding half (columns
+                    post_attention_layernorm, mlp <- its own (MLA: q_a/kv_a_proj_with_mqa's
+                    hidden half, q_a/kv_a_layernorm, q_b/kv_b/o_proj); the embedding half (columns
                     0:H) zero: the token enters through training only (measured on the
                     embedded default, teacher-forced: held-out position-0 accuracy 0.363
                     after 200 steps, against 0.321 with a copy of the hidden half there
@@ -489,20 +552,18 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     if not 0 <= j < n_layers:
         raise ValueError(f"init layer {j} outside the verifier's 0..{n_layers - 1}")
     pre = f"model.layers.{j}."
-    plan = {"hidden_norm.weight": "input_layernorm.weight",
-            "post_attention_layernorm.weight": "post_attention_layernorm.weight",
-            **{f"self_attn.{x}_proj.weight": f"self_attn.{x}_proj.weight" for x in "qkvo"},
-            **{f"mlp.{x}_proj.weight": f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}}
-    w = read_verifier_tensors(spec, [pre + v for v in plan.values()], missing_ok=True)
     params = dict(m.named_parameters())
+    plan = {mine: "input_layernorm.weight" if mine == "hidden_norm.weight" else mine
+            for mine in params if not mine.startswith("input_layernorm.")}  # same names
+    w = read_verifier_tensors(spec, [pre + v for v in plan.values()], missing_ok=True)
     copied, kept = [], []
     for mine, theirs in plan.items():
         src, dst = w.get(pre + theirs), params[mine]
-        region = dst[:, h:] if mine.split(".")[1] in ("q_proj", "k_proj", "v_proj") else dst
-        if src is None or tuple(src.shape) != tuple(region.shape):         # q/k/v: hidden half
+        region = dst[:, h:] if mine.split(".")[1] in TWO_H_INPUTS else dst
+        if src is None or tuple(src.shape) != tuple(region.shape):         # 2H ones: hidden half
             kept.append(f"midlayer.{mine}")
             continue
-        dst.zero_()                                    # q/k/v's embedding half stays zero
+        dst.zero_()                                    # a 2H input's embedding half: zero
         region.copy_(src.to(dst.dtype))
         copied.append(f"midlayer.{mine}")
     drafter.fc.weight.zero_()
@@ -512,14 +573,15 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
 
 
 def untrained_drafter(spec: str, draft_vocab_size: int | None = None, seed: int = 0,
-                      drafting: str = "chain"):
+                      drafting: str = "chain", **config):
     """A randomly initialised drafter for `spec` with the first `draft_vocab_size` token ids
     (default: the full vocabulary) as its draft vocab: for tests, benchmarks of the decoding
-    machinery, and `serve` before any training. Returns (drafter, teacher)."""
+    machinery, and `serve` before any training. `config`: DraftConfig fields (layer="mla",
+    fc_norm, norm_output, ...). Returns (drafter, teacher)."""
     cfg = verifier.text_config(verifier.load_config(spec))
     c = DraftConfig.from_verifier_config(cfg, draft_vocab_size or cfg.vocab_size,
                                          verifier.default_aux_layer_ids(cfg.num_hidden_layers),
-                                         drafting=drafting)
+                                         drafting=drafting, **config)
     t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
     t2d[:c.draft_vocab_size] = True
     torch.manual_seed(seed)

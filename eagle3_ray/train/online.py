@@ -274,9 +274,9 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
     resume. Returns the last Ray Train Result."""
     import ray
     from eagle3_ray.launch import init_ray
-    data.expand_inputs(ecfg.inputs), verifier.resolve(tcfg.verifier)  # fail fast, before Ray
-    tcfg = replace(tcfg, output=schema.absolute(tcfg.output),
-                   verifier=verifier.absolute_spec(tcfg.verifier))
+    spec = tcfg.verifier or ecfg.verifier or verifier.EMBEDDED_VERIFIER
+    data.expand_inputs(ecfg.inputs), verifier.resolve(spec)  # fail fast, before Ray
+    tcfg = replace(tcfg, output=schema.absolute(tcfg.output), verifier=verifier.absolute_spec(spec))
     run_id = hashlib.sha1(tcfg.output.encode()).hexdigest()[:12]
     cache = schema.absolute(cache) if cache else None
     ecfg = replace(ecfg, verifier=tcfg.verifier, output=cache or "", emit="rows",

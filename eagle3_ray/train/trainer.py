@@ -59,7 +59,8 @@ class TrainConfig:
     dataset: str                          # hidden-state dataset dir/URI (eagle3-ray extract);
                                           # several joined by commas are read as one
     output: str = "runs/train"            # run dir: Ray checkpoints, metrics, final drafter/
-    verifier: str = verifier.EMBEDDED_VERIFIER  # must be the dataset's verifier
+    verifier: str | None = None           # the dataset's verifier; None: the one its manifest
+                                          # names (online: the embedded default)
     ttt_steps: int = 8                    # TTT unroll depth: train for the depth you serve
     step_weight_decay: float = 0.8        # loss weight of step k: decay**k
     ttt_ramp: float = 0.5                 # depth curriculum: the unroll grows from 1 step to
@@ -74,6 +75,11 @@ class TrainConfig:
                                           # parallel: P-EAGLE, k drafts from one forward (mask
                                           # slots; ttt_steps = the depths trained)
     mask_token_id: int | None = None      # parallel: the mask slots' token (default V - 1)
+    draft_layer: str = "llama"            # the drafter's decoder layer: llama | mla (DeepSeek
+                                          # MLA, vLLM's Eagle3DeepseekV3ForCausalLM; its dims
+                                          # the verifier's if DeepSeek-shaped, train/mla.py)
+    fc_norm: bool = False                 # EAGLE-3.1: an RMSNorm per aux state before fc
+    norm_output: bool = False             # EAGLE-3.1: draft steps fed the post-final-norm state
     draft_vocab_size: int = 4096          # reduced draft vocab (<= verifier vocab). The lm_head
                                           # dominates a 1-layer drafter's step: on the embedded
                                           # default 4096 (counted over the verifier's argmax)
@@ -203,13 +209,22 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.cod_min}")
     if cfg.drafting not in draft.DRAFTING:
         raise ValueError(f"drafting must be one of {draft.DRAFTING}, got {cfg.drafting!r}")
+    if cfg.draft_layer not in draft.LAYERS:
+        raise ValueError(f"draft_layer must be one of {draft.LAYERS}, got {cfg.draft_layer!r}")
+    if cfg.draft_layer == "mla" and cfg.drafting == "parallel":
+        raise ValueError("--draft-layer mla with --drafting parallel: no engine runs a parallel "
+                         "MLA drafter (vLLM's deepseek_eagle3.py has no mask_hidden / parallel "
+                         "drafting); train a chain MLA drafter or a parallel Llama one")
     if not 0 <= cfg.eval_fraction < 1:
         raise ValueError(f"eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
 
 
 def prepare(cfg: TrainConfig) -> dict:
-    """Check the dataset against the verifier, build (or reuse) the draft vocabulary."""
+    """Check the dataset against the verifier (default: the one its manifest names), build
+    (or reuse) the draft vocabulary."""
     check_config(cfg)
+    if not cfg.verifier:
+        cfg = replace(cfg, verifier=dataset_verifier(cfg.dataset))
     config, tok = verifier.load_config(cfg.verifier), verifier.load_tokenizer(cfg.verifier)
 
     def check(uri, manifest):
@@ -263,7 +278,9 @@ def make_setup(cfg: TrainConfig, manifest: dict, count_tokens,
     dcfg = draft.DraftConfig.from_verifier_config(config, len(d2t),
                                                   manifest["facts"]["aux_layer_ids"],
                                                   drafting=cfg.drafting,
-                                                  mask_token_id=cfg.mask_token_id)
+                                                  mask_token_id=cfg.mask_token_id,
+                                                  layer=cfg.draft_layer, fc_norm=cfg.fc_norm,
+                                                  norm_output=cfg.norm_output)
     return {"manifest": manifest, "draft_config": dcfg.to_dict(), "d2t": d2t.tolist(),
             "manifest_hash": checkpoint.manifest_hash(manifest)}
 
@@ -454,6 +471,7 @@ def train_loop_per_worker(loop: dict) -> None:
         if rank == 0:
             print(f"[train] resumed at step {state['step']} (epoch {state['epoch']}, "
                   f"{len(state['seen'])} samples of it done)")
+    state["draft_shape"] = {k: getattr(dcfg, k) for k in RESUME_FIXED}   # load_train_state
     # samples that reached the loop this epoch (repeats counted), and one record per epoch
     state.setdefault("consumed", 0), state.setdefault("epochs", [])
     if rank == 0:
@@ -679,13 +697,23 @@ def load_train_state(d: str, model, opts) -> dict:
     optimizers; returns the loop state."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    with open(os.path.join(d, "state.json")) as f:
+        state = json.load(f)
+    c = unwrap(model).config   # a shape no weight shows (norm_output) is checked here
+    changed = {k: [v, getattr(c, k)] for k, v in (state.get("draft_shape") or {}).items()
+               if v != getattr(c, k)}
+    if changed:
+        raise ValueError(f"{d}: the drafter changed since this run began ({{field: [then, now]}}: "
+                         f"{changed}); resume with the settings the run started with")
     weights = load_file(os.path.join(d, "model.safetensors"))
     checkpoint.check_names(unwrap(model), weights, d)
     set_state_dict(model, opts, model_state_dict=weights,
                    optim_state_dict=torch.load(os.path.join(d, "optimizer.pt"), weights_only=True),
                    options=StateDictOptions(full_state_dict=True, strict=False))
-    with open(os.path.join(d, "state.json")) as f:
-        return json.load(f)
+    return state
+
+
+RESUME_FIXED = ("layer", "fc_norm", "norm_output", "drafting")   # DraftConfig fields a resume keeps
 
 
 def write_metrics(output: str, history: list[dict]) -> None:
@@ -895,12 +923,21 @@ def worker_resources(cfg: TrainConfig) -> dict:
     return out
 
 
+def dataset_verifier(dataset: str) -> str:
+    """The verifier a dataset's manifest names (facts.verifier; of the first, when several)."""
+    uri = schema.dataset_uris(dataset)[0]
+    spec = schema.read_manifest(uri)["facts"].get("verifier")
+    if not spec:
+        raise ValueError(f"{schema.manifest_path(uri)}: names no verifier; pass --verifier")
+    return spec
+
+
 def run_train(cfg: TrainConfig, address: str | None = None):
     """Check, then fit (or resume) on Ray Train. Returns the Ray Train Result."""
     from eagle3_ray.launch import init_ray
 
-    cfg = replace(cfg, dataset=schema.absolute(cfg.dataset), output=schema.absolute(cfg.output),
-                  verifier=verifier.absolute_spec(cfg.verifier))
+    cfg = replace(cfg, dataset=schema.absolute(cfg.dataset), output=schema.absolute(cfg.output))
+    cfg = replace(cfg, verifier=verifier.absolute_spec(cfg.verifier or dataset_verifier(cfg.dataset)))
     setup = prepare(cfg)
     init_ray(address)
     return fit(fit_cpus(cfg), {**setup, "read_parquet": True}, {})

@@ -2,7 +2,9 @@
 
 Step k = 0..K-1 at position t (all positions of a batch at once):
     input token   input_ids[t+1+k]           (0 past the end: such positions are never valid)
-    hidden input  fc(aux[t]) at k = 0, else the drafter's own output of step k-1 at t
+    hidden input  fc(aux[t]) at k = 0, else the drafter's own output of step k-1 at t (with
+                  EAGLE-3.1 norm_output: its final-norm'd output; draft.Eagle3Drafter.forward
+                  applies that norm to the state it is handed back, so the unroll is the same)
     RoPE position t + k                      (SpecForge: position_ids + number of cached steps)
     target        p_teacher[t+1+k] = softmax over the draft vocab of the verifier's
                   lm_head[draft rows] · norm(last_hidden[t+1+k])  (predicts token t+2+k)
@@ -72,14 +74,14 @@ def _attend(hidden_keys: torch.Tensor, key_limit: tuple, q: torch.Tensor, k0: to
             v0: torch.Tensor, *diag: torch.Tensor) -> torch.Tensor:
     """Joint softmax over the step-0 keys (causal; `hidden_keys` [B, 1, 1, Q, S] True = masked)
     and the diagonal keys of steps 1..k. q [B, nh, Q, D] (Q = S, or the positions a deep
-    selection kept); k0, v0 [B, nkv, S, D]; each diagonal k/v [B, nkv, Q, D]; diag = (k_1..k_k,
-    v_1..v_k). key_limit[i]: step-0 keys query row i (and every row before it) needs. Returns
-    [B, Q, nh*D]. Queries go in blocks of ATTN_BLOCK rows that score only the keys up to the
-    block's limit. The softmax is written out (shared row max, exp, one normalization after the
-    value sums), in place on the fresh score matrix, so no S×S tensor is concatenated, sliced or
-    copied."""
+    selection kept); k0 [B, nkv, S, D], v0 [B, nkv, S, Dv]; each diagonal k [B, nkv, Q, D], v
+    [B, nkv, Q, Dv] (MLA: Dv != D); diag = (k_1..k_k, v_1..v_k). Scale D^-0.5. key_limit[i]:
+    step-0 keys query row i (and every row before it) needs. Returns [B, Q, nh*Dv]. Queries
+    go in blocks of ATTN_BLOCK rows that score only the keys up to the block's limit. The
+    softmax is written out (shared row max, exp, one normalization after the value sums), in
+    place on the fresh score matrix, so no S×S tensor is concatenated, sliced or copied."""
     b, nh, s, d = q.shape                               # s: query rows
-    nkv = k0.shape[1]
+    nkv, dv = k0.shape[1], v0.shape[-1]
     g = nh // nkv                                       # query heads per kv head (GQA)
     kd, vd = diag[:len(diag) // 2], diag[len(diag) // 2:]
     acc = torch.promote_types(q.dtype, torch.float32)   # softmax precision (fp32, or fp64)
@@ -102,18 +104,18 @@ def _attend(hidden_keys: torch.Tensor, key_limit: tuple, q: torch.Tensor, k0: to
             row_max = torch.maximum(row_max, diagonal.detach().amax(-1, keepdim=True))
         e = scores.sub_(row_max).exp_()                 # [B, nkv, g*n, keys]; masked -> 0
         total = e.sum(-1, keepdim=True)                                    # [B, nkv, g*n, 1]
-        out = (e.to(v0.dtype) @ v0[:, :, :keys]).to(acc)                   # [B, nkv, g*n, D]
+        out = (e.to(v0.dtype) @ v0[:, :, :keys]).to(acc)                   # [B, nkv, g*n, Dv]
         if kd:
             ed = (diagonal - row_max).exp()                                # [B, nkv, g*n, k]
             total = total + ed.sum(-1, keepdim=True)
-            out = out.view(b, nkv, g, n, d)                                # [B, nkv, g, n, D]
+            out = out.view(b, nkv, g, n, dv)                               # [B, nkv, g, n, Dv]
             for j, vj in enumerate(vd):
                 w = ed[..., j].view(b, nkv, g, n, 1)                       # [B, nkv, g, n, 1]
-                out = out + w * vj[:, :, None, start:end]                  # [B, nkv, g, n, D]
-        out = out.reshape(b, nkv, g * n, d) / total                        # [B, nkv, g*n, D]
-        outs.append(out.view(b, nkv, g, n, d))                             # [B, nkv, g, n, D]
-    out = torch.cat(outs, dim=3).to(q.dtype)                               # [B, nkv, g, Q, D]
-    return out.reshape(b, nh, s, d).transpose(1, 2).reshape(b, s, nh * d)  # [B, Q, nh*D]
+                out = out + w * vj[:, :, None, start:end]                  # [B, nkv, g, n, Dv]
+        out = out.reshape(b, nkv, g * n, dv) / total                       # [B, nkv, g*n, Dv]
+        outs.append(out.view(b, nkv, g, n, dv))                            # [B, nkv, g, n, Dv]
+    out = torch.cat(outs, dim=3).to(q.dtype)                               # [B, nkv, g, Q, Dv]
+    return out.reshape(b, nh, s, dv).transpose(1, 2).reshape(b, s, nh * dv)  # [B, Q, nh*Dv]
 
 
 class DiagonalAttention:

@@ -3,8 +3,9 @@ environment .venv-vllm, started by Ray through runtime_env py_executable): the d
 the HF engine's (same samples, tokens, masks and target_ids; hidden states within fp32 noise
 before bf16 storage), a killed vLLM actor leaves every sample written exactly once, a rerun
 resumes, no per-request hidden-state file is left behind, and an online run trains a drafter.
+Both verifier families: a tiny random Llama and the DeepSeek-V3-shaped one (MLA + MoE, Kimi's).
 
-Real vLLM, real Ray, a tiny random Llama. Skipped only where scripts/setup_vllm.sh has not built
+Real vLLM, real Ray, tiny random verifiers. Skipped only where scripts/setup_vllm.sh has not built
 the engine environment."""
 import glob
 import json
@@ -55,14 +56,21 @@ def states(row, key: str, h: int) -> torch.Tensor:
         row["num_tokens"], -1, h)
 
 
-def test_vllm_dataset_equals_hf_and_survives_a_dead_actor(ray_cluster, vllm_verifier, conv_file,
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_vllm_dataset_equals_hf_and_survives_a_dead_actor(ray_cluster, family, request, conv_file,
                                                            tmp_path):
+    """DeepSeek: needs engine.vllm's config keys (noaux_tc, sigmoid) and CPU rotary setting,
+    else target_ids differ. The dead actor and the resume are the engine's paths, not the
+    family's: run once, on the Llama."""
+    spec = request.getfixturevalue({"llama": "vllm_verifier", "deepseek": "deepseek_verifier"}[
+        family])
+    faults = family == "llama"
     before = set(glob.glob(SHM))
-    hf = run_extract(config(vllm_verifier, conv_file, tmp_path / "hf"))
+    hf = run_extract(config(spec, conv_file, tmp_path / "hf"))
     marker = tmp_path / "died"
-    vl = run_extract(config(vllm_verifier, conv_file, tmp_path / "vllm", engine="vllm",
-                            fault_injection=f"die_once:{marker}"))
-    assert marker.exists()                      # the first vLLM actor died after its first part
+    vl = run_extract(config(spec, conv_file, tmp_path / "vllm", engine="vllm",
+                            fault_injection=f"die_once:{marker}" if faults else ""))
+    assert marker.exists() == faults            # the first vLLM actor died after its first part
     assert vl["config"]["engine"] == "vllm" and hf["config"]["engine"] == "hf"
     assert vl["facts"] == hf["facts"]           # same verifier, layers, template: same dataset
     assert vl["summary"]["samples"] == hf["summary"]["samples"] == 3 + 14
@@ -82,20 +90,23 @@ def test_vllm_dataset_equals_hf_and_survives_a_dead_actor(ray_cluster, vllm_veri
     assert worst < 4e-3, worst
     print(f"[test] vLLM vs HF: worst per-token relative difference {worst:.2e} (bf16 storage)")
     assert set(glob.glob(SHM)) == before        # no hidden-state file or directory left
-
-    again = run_extract(config(vllm_verifier, conv_file, tmp_path / "vllm", engine="vllm"))
+    if not faults:
+        return
+    again = run_extract(config(spec, conv_file, tmp_path / "vllm", engine="vllm"))
     assert again["summary"]["this_run"]["samples"] == 0      # resumed: nothing left to do
     assert again["summary"]["samples"] == 3 + 14
 
 
-def test_online_training_on_the_vllm_engine(ray_cluster, vllm_verifier, tmp_path):
+def test_online_training_on_the_vllm_engine(ray_cluster, deepseek_verifier, tmp_path):
+    """On the DeepSeek-shaped verifier (the Llama's vLLM states are the same code path, checked
+    equal to HF's above)."""
     from eagle3_ray.train import online
     from eagle3_ray.train.trainer import TrainConfig
     convs = tmp_path / "convs.json"
     convs.write_text(json.dumps(make_conversations(24)))
-    e = ExtractConfig(verifier=vllm_verifier, inputs=[str(convs)], max_length=96, batch_rows=8,
+    e = ExtractConfig(verifier=deepseek_verifier, inputs=[str(convs)], max_length=96, batch_rows=8,
                       cpus_per_replica=0.5, engine="vllm", dtype="float32")
-    t = TrainConfig(dataset="", output=str(tmp_path / "run"), verifier=vllm_verifier,
+    t = TrainConfig(dataset="", output=str(tmp_path / "run"), verifier=deepseek_verifier,
                     ttt_steps=2, draft_vocab_size=49152, batch_size=2, max_steps=100,
                     max_epochs=1, lr=3e-3, warmup_steps=2, log_every=1, eval_every=0,
                     checkpoint_every=100, eval_fraction=0.15, num_workers=1, cpus_per_worker=0.5)

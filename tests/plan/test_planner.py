@@ -196,6 +196,30 @@ def test_packaged_profiles_load_and_pcie_goes_deeper():
     assert share[0] > share[1]
 
 
+def test_profiles_price_the_drafters_layer_shape(tmp_path):
+    """An MLA drafter layer (Kimi's, vLLM's Eagle3DeepseekV3ForCausalLM) reads more weights per
+    GPU than a Llama one at TP 8 (its q/kv LoRA projections are replicated): a dearer forward,
+    the same four collectives, and `plan --draft-layer mla` says which shape it priced."""
+    import subprocess
+    import sys
+    for name in ("pcie-8x-rtx-pro-6000-kimi-k2.5", "nvlink-8x-h100-kimi-k2.5"):
+        llama = P.load_profile(name)
+        mla = P.with_draft_layer(llama, "mla")
+        assert (llama.draft_layer, mla.draft_layer) == ("llama", "mla")
+        assert mla.draft_step_ms > llama.draft_step_ms and mla.draft_collectives == 4
+        assert P.draft_round_s(mla, 8) > P.draft_round_s(llama, 8)
+        assert P.draft_round_s(mla, 8, "parallel") > P.draft_round_s(llama, 8, "parallel")
+        assert P.with_draft_layer(mla, "llama") == llama                 # and back
+        assert P.with_draft_layer(llama, None) is llama
+    p = P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
+    with pytest.raises(ValueError, match="not 'tree'"):
+        P.with_draft_layer(p, "tree")
+    out = subprocess.run([sys.executable, "-m", "eagle3_ray.cli", "plan", "--sweep", "0.7",
+                          "--profile", p.name, "--draft-layer", "mla",
+                          "--out", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_with_interconnect_is_labelled_a_simulation():
     pcie = P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
     sim = P.with_interconnect(profile(), pcie)

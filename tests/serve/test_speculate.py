@@ -1,5 +1,8 @@
 """The speculative decoder (speculate.py): lossless greedy, exact sampling, stops, text stream.
-Pure PyTorch on tiny random Llamas; no Ray."""
+Pure PyTorch on tiny random Llamas and, where parametrized over the verifier families, on the
+DeepSeek-V3-shaped verifier (MLA + MoE, engine/toy.py; tests/conftest.py deepseek_verifier);
+no Ray."""
+import dataclasses
 import math
 
 import pytest
@@ -15,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | None = None,
-              head_scale: float = 30.0, seed: int = 0, drafting: str = "chain"):
+              head_scale: float = 30.0, seed: int = 0, drafting: str = "chain", **draft_kw):
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
@@ -25,10 +28,39 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
         model.lm_head.weight.mul_(head_scale)
     vd = draft_vocab or vocab
     c = DraftConfig.from_verifier_config(cfg, vd, [1, layers // 2, layers - 1],  # ids >= 1
-                                         drafting=drafting)
+                                         drafting=drafting, **draft_kw)
     drafter = Eagle3Drafter(c).eval()
     drafter.t2d[:vd] = True  # draft ids = the first vd target ids (d2t = 0)
     return model, drafter
+
+
+FAMILIES = ["llama", "deepseek"]     # DESIGN.md "Verifier families"
+
+
+def family_pair(family: str, request, dtype=torch.float32, draft_vocab: int | None = 300):
+    """(verifier, untrained drafter) of a verifier family: tiny_pair's 4-layer Llama (vocab 500),
+    or the DeepSeek-V3-shaped deepseek_verifier (8 layers: MLA, a dense layer, then MoE;
+    SmolLM2's vocab), loaded as serving loads it (in bf16 its router stays fp32). The drafter
+    drafts the first `draft_vocab` token ids (None: all of them, as an oracle needs)."""
+    if family == "llama":
+        model, drafter = tiny_pair(vocab=500, draft_vocab=draft_vocab)
+        return model.to(dtype), drafter
+    from eagle3_ray.train import draft
+    spec = request.getfixturevalue("deepseek_verifier")
+    model = speculate.verifier_lib.load_verifier(spec, dtype=dtype)
+    return model, draft.untrained_drafter(spec, draft_vocab)[0].eval()
+
+
+def spy_verifies(spec: Speculator) -> list:
+    """From now on every verify of `spec` appends (its cache length, [its tokens]) to the list
+    returned."""
+    seen, verify = [], spec._verify
+
+    def spy(ids, cache, **kw):
+        seen.append((cache.get_seq_length(), list(ids)))
+        return verify(ids, cache, **kw)
+    spec._verify = spy
+    return seen
 
 
 def run(spec: Speculator, prompt, sp: SamplingParams, depth, lookup=None, branches=1):
@@ -39,11 +71,16 @@ def run(spec: Speculator, prompt, sp: SamplingParams, depth, lookup=None, branch
     return out, rounds
 
 
-def test_greedy_equals_plain_decoding_at_every_depth():
-    model, drafter = tiny_pair(vocab=500, draft_vocab=300)
+@pytest.mark.parametrize("family,prompts,depths", [("llama", 6, (1, 2, 4, 8, 16)),
+                                                    ("deepseek", 2, (1, 4, 16))], ids=FAMILIES)
+def test_greedy_equals_plain_decoding_at_every_depth(family, prompts, depths, request):
+    """Greedy output at every depth, with a per-round depth and with the lookup fallback, is
+    the verifier's own greedy decoding (transformers' generate), for both verifier families
+    (the fp32 defaults: SDPA / tree_attention, few-row linears timed on this host)."""
+    model, drafter = family_pair(family, request)
     spec = Speculator(model, drafter)
     g = torch.Generator().manual_seed(0)
-    for i in range(6):
+    for i in range(prompts):
         prompt = torch.randint(0, 500, (3 + 4 * i,), generator=g).tolist()
         sp = SamplingParams(max_tokens=24)
         base, rounds0 = run(spec, prompt, sp, 0)
@@ -51,7 +88,7 @@ def test_greedy_equals_plain_decoding_at_every_depth():
                              min_new_tokens=24)[0, len(prompt):].tolist()
         assert base == ref                       # depth 0 is the verifier's own greedy decoding
         assert len(rounds0) == 24 and all(r.drafted == 0 for r in rounds0)
-        for depth in (1, 2, 4, 8, 16):
+        for depth in depths:
             out, rounds = run(spec, prompt, sp, depth)
             assert out == base, (i, depth)
             assert all(r.drafted == depth for r in rounds[1:])
@@ -63,6 +100,9 @@ def test_greedy_equals_plain_decoding_at_every_depth():
         out, rounds = run(spec, prompt, sp, policy)
         assert out == base and [r.drafted for r in rounds[1:]] == policy.depths[:len(rounds) - 1]
         assert policy.depths[0] > 1 and all(0 <= d <= 8 for d in policy.depths)
+    echo = prompt + base + prompt                      # the lookup fallback finds n-grams here
+    out, rounds = run(spec, echo, sp, 4, lookup=LOOKUP_ALWAYS)
+    assert out == run(spec, echo, sp, 0)[0] and any(r.lookup for r in rounds)
 
 
 class OracleDrafter(Eagle3Drafter):
@@ -104,35 +144,47 @@ def test_drafter_that_matches_the_verifier_gets_every_draft_accepted():
         assert len(rounds) == 1 + math.ceil(39 / (depth + 1))
 
 
-def test_bf16_verify_is_batch_invariant_so_greedy_stays_exact():
+@pytest.mark.parametrize("family,dtype,gemm_path", [
+    ("llama", torch.bfloat16, "onednn"), ("llama", torch.bfloat16, "aten"),
+    ("llama", torch.float32, "onednn"), ("deepseek", torch.bfloat16, "onednn"),
+    ("deepseek", torch.bfloat16, "aten"), ("deepseek", torch.float32, "onednn")],
+    indirect=["gemm_path"], ids=lambda v: str(v).removeprefix("torch."))
+def test_verify_is_batch_invariant_so_greedy_stays_exact(family, dtype, gemm_path, request):
     """In bf16 a k-token forward rounds differently from k one-token forwards (GEMV vs GEMM,
     fused attention over a masked block); the Speculator makes a bf16 verifier batch invariant
     (kernels.make_batch_invariant: one matmul kernel for every row count, attention masked
-    after the matmuls), so greedy stays token-for-token exact."""
+    after the matmuls or a token at a time, an MoE block's tokens routed one at a time), so
+    greedy stays token-for-token exact: for both verifier families (DeepSeek-V3's MLA: value
+    heads narrower than query heads, one query head per KV head; its MoE), bf16 on both GEMM
+    paths, and fp32 made batch invariant (the strict check on a host without bf16 kernels;
+    fp32's GEMM path is the same either way)."""
     from transformers import DynamicCache
     from eagle3_ray.serve import kernels
-    model, drafter = tiny_pair(vocab=500)
-    model = model.to(torch.bfloat16)
-    spec = Speculator(model, drafter)                                    # bf16: invariant
+    model, drafter = family_pair(family, request, dtype, draft_vocab=None)
+    spec = Speculator(model, drafter, batch_invariant=True)       # bf16's default
+    assert spec.exact == {"chain": True, "tree": True}            # bit for bit, start-up check
     assert model.config._attn_implementation == kernels.INVARIANT_ATTENTION
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(isinstance(m.forward, kernels.FewRowLinear) and m.forward.batch_invariant
                for m in linears)
+    moe = kernels.moe_blocks(model)
+    assert len(moe) == (7 if family == "deepseek" else 0)         # layers 1-7 (0 is dense)
+    assert all(isinstance(b.forward, kernels.PerTokenMoE) for b in moe)
     prompt = list(range(10, 30))
     nxt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
     with torch.no_grad():
-        for context in (prompt[:3], prompt):
+        for context in (prompt[:3], prompt):         # MLA's latents past 32 rows in the second
             cache = DynamicCache()
             model(torch.tensor([context]), cache=cache)
             steps = torch.cat([model(nxt[:, i:i + 1], cache=cache).logits for i in range(17)], 1)
             for k in (2, 5, 17):                                         # [1, k, V]
                 cache.crop(-(cache.get_seq_length() - len(context)))
                 assert torch.equal(model(nxt[:, :k], cache=cache).logits, steps[:, :k]), k
-    if torch.bfloat16 in kernels._packable_dtypes():                 # this CPU: oneDNN packed
+    if dtype in kernels._packable_dtypes():                # this CPU: oneDNN packed
         assert all(m.forward.packed is not None for m in linears)
     sp = SamplingParams(max_tokens=40)
     base, _ = run(spec, prompt, sp, 0)
-    for depth in (1, 3, 8):
+    for depth in (1, 3, 8) if family == "llama" else (3,):     # deepseek: ~2 s a depth here
         assert run(spec, prompt, sp, depth)[0] == base, depth
     oracle = Speculator(model, OracleDrafter(drafter.config, prompt + base + [0] * 40).eval())
     out, rounds = run(oracle, prompt, sp, 8)
@@ -396,13 +448,7 @@ def test_cached_drafts_equal_the_drafters_full_sequence_predictions():
     verifier's aux states — what training's step 0 computes."""
     model, drafter = tiny_pair(vocab=500, draft_vocab=300, seed=3)
     spec = Speculator(model, drafter)
-    seen = []                                          # (verifier cache length n, [x, d1, ..])
-    verify = spec._verify
-
-    def spy(ids, cache, **kw):
-        seen.append((cache.get_seq_length(), list(ids)))
-        return verify(ids, cache, **kw)
-    spec._verify = spy
+    seen = spy_verifies(spec)                          # (verifier cache length n, [x, d1, ..])
     prompt = list(range(30, 45))
     out, _ = run(spec, prompt, SamplingParams(max_tokens=30), 1)
     seq = prompt + out
@@ -437,16 +483,20 @@ class SecondChoiceOracle(OracleDrafter):
         return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype, gemm_path):
+# fp32 runs the same kernels on both GEMM paths: the slower family runs it once
+@pytest.mark.parametrize("family,dtype,gemm_path", [
+    (f, d, g) for f in FAMILIES for d in (torch.float32, torch.bfloat16)
+    for g in ("onednn", "aten") if (f, d, g) != ("deepseek", torch.float32, "aten")],
+    indirect=["gemm_path"], ids=lambda v: str(v).removeprefix("torch."))
+def test_branches_verify_a_tree_in_one_forward_and_stay_exact(family, dtype, gemm_path, request):
     """branches > 1: the chains forked at the first draft are verified in one forward whose
     every path computes what that chain alone would (bit for bit in bf16), the longest accepted
     chain wins and the KV cache keeps only its tokens, so greedy output stays the verifier's.
     Asserted where the Speculator's start-up check finds trees exact on this host's kernels
-    (both GEMM paths, every host seen so far); where it does not, that trees are refused."""
+    (both GEMM paths, every host seen so far); where it does not, that trees are refused.
+    Both verifier families (DeepSeek-V3: MLA's cached latents reordered by keep_cache, its MoE)."""
     from transformers import DynamicCache
-    model, drafter = tiny_pair(vocab=500, draft_vocab=300)
-    model = model.to(dtype)
+    model, drafter = family_pair(family, request, dtype)
     spec = Speculator(model, drafter)
     if not spec.exact["tree"]:
         with pytest.raises(ValueError, match="tree verify .* use chains"):
@@ -492,24 +542,24 @@ def test_branches_verify_a_tree_in_one_forward_and_stay_exact(dtype, gemm_path):
 
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_tokens=24)
-    for i in range(3):
+    shapes = [(b, d) for b in (2, 4) for d in (1, 3, 6)] if family == "llama" else [(2, 3),
+                                                                                   (4, 6)]
+    for i in range(3 if family == "llama" else 1):
         prompt = torch.randint(0, 500, (4 + 5 * i,), generator=g).tolist()
         base, _ = run(spec, prompt, sp, 0)
-        for branches in (2, 4):
-            for depth in (1, 3, 6):
-                out, rounds = [], []
-                for r in spec.generate(prompt, sp, depth, branches=branches):
-                    out += r.tokens
-                    rounds.append(r)
-                assert out == base, (i, branches, depth)
-                assert all(r.drafted == depth and r.branches == branches and
-                           0 <= r.accepted <= depth for r in rounds[1:])
+        for branches, depth in shapes:
+            out, rounds = [], []
+            for r in spec.generate(prompt, sp, depth, branches=branches):
+                out += r.tokens
+                rounds.append(r)
+            assert out == base, (i, branches, depth)
+            assert all(r.drafted == depth and r.branches == branches and
+                       0 <= r.accepted <= depth for r in rounds[1:])
     # a drafter right only in second place: a chain never gets a draft in, two branches do
-    model, drafter = tiny_pair(vocab=500)                                  # draft vocab = all
-    model = model.to(dtype)
     prompt, sp = list(range(10, 20)), SamplingParams(max_tokens=40)
-    base, _ = run(Speculator(model, drafter), prompt, sp, 0)              # the verifier's own
-    spec = Speculator(model, SecondChoiceOracle(drafter.config, prompt + base + [0] * 20).eval())
+    base, _ = run(spec, prompt, sp, 0)                                     # the verifier's own
+    every = dataclasses.replace(drafter.config, draft_vocab_size=drafter.config.vocab_size)
+    spec = spec.with_drafter(SecondChoiceOracle(every, prompt + base + [0] * 20).eval())
     chain, rounds = run(spec, prompt, sp, 4)
     assert chain == base
     assert all(r.accepted == 0 for r in rounds[1:])
@@ -557,14 +607,8 @@ def test_parallel_drafter_drafts_a_round_in_one_forward_and_stays_exact():
     plain decoding at every depth, with a per-round depth too; trees are refused."""
     model, drafter = tiny_pair(vocab=500, draft_vocab=300, seed=5, drafting="parallel")
     spec = Speculator(model, drafter)
-    calls, seen = [], []
-    forward, verify = drafter.forward, spec._verify
+    calls, seen, forward = [], spy_verifies(spec), drafter.forward
     drafter.forward = lambda *a, **kw: calls.append(kw.get("masked", 0)) or forward(*a, **kw)
-
-    def spy(ids, cache, **kw):
-        seen.append((cache.get_seq_length(), list(ids)))
-        return verify(ids, cache, **kw)
-    spec._verify = spy
     prompt = list(range(30, 45))
     sp = SamplingParams(max_tokens=30)
     base, _ = run(spec, prompt, sp, 0)
@@ -593,3 +637,48 @@ def test_parallel_drafter_drafts_a_round_in_one_forward_and_stays_exact():
     assert out == run(spec, echo, sp, 0)[0] and any(r.lookup for r in rounds)
     with pytest.raises(ValueError, match="chain drafter"):
         run(spec, prompt, sp, 2, branches=2)
+
+
+@pytest.mark.parametrize("draft_kw", [{"layer": "mla"},
+                                      {"layer": "mla", "fc_norm": True, "norm_output": True},
+                                      {"fc_norm": True, "norm_output": True}],
+                         ids=["mla", "mla-3.1", "llama-3.1"])
+def test_mla_and_eagle31_drafters_chain_as_computed_directly_and_stay_exact(draft_kw):
+    """An MLA drafter (mla.DEFAULT_DIMS on a Llama verifier: Dqk 192, Dv 128, a key per head)
+    and EAGLE-3.1's toggles in the builtin decoder: each round's drafts are the chain computed
+    directly (qkv/finish with plain causal attention over the whole sequence, step i+1 fed step
+    i's output state, norm(state) with norm_output), and greedy output is the verifier's."""
+    from eagle3_ray.train.draft import causal_attention
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300, seed=6, **draft_kw)
+    with torch.no_grad():                  # weights far from the init, the norms included
+        for p in drafter.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.05))
+    spec = Speculator(model, drafter)
+    seen = spy_verifies(spec)
+    prompt = list(range(30, 42))
+    sp = SamplingParams(max_tokens=16)
+    base, _ = run(spec, prompt, sp, 0)
+    for depth in (1, 4):
+        seen.clear()
+        out, _ = run(spec, prompt, sp, depth)
+        assert out == base, depth
+        seq = prompt + out
+        with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
+                model, spec.layer_ids) as got:
+            model(torch.tensor([seq]))
+            aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, S, 3H]
+        for n, ids in seen[1:]:                     # x = seq[n] at position n
+            hidden, tokens, want = drafter.fuse(aux[:, :n]), seq[1:n + 1], []
+            with torch.no_grad():
+                for _ in range(depth):
+                    pos = torch.arange(len(tokens))[None]
+                    q, k, v = drafter.qkv(torch.tensor([tokens]), hidden, pos)
+                    h = drafter.finish(hidden, causal_attention(q, k, v))[:, -1:]  # [1, 1, H]
+                    want.append(int(drafter.draft_to_target(drafter.logits(h)[0, 0].argmax())))
+                    tokens = tokens + [want[-1]]
+                    fed = drafter.norm(h) if drafter.config.norm_output else h
+                    hidden = torch.cat([hidden, fed], 1)                           # [1, s+1, H]
+            assert ids[1:] == want, (depth, n)
+    if spec.exact["tree"]:                          # branches feed their states the same way
+        assert run(spec, prompt, sp, 3, branches=2)[0] == base

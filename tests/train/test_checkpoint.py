@@ -599,3 +599,230 @@ def test_parallel_drafter_round_trip_and_vllm_export(tmp_path):
         tiny_config(drafting="tree")
     with pytest.raises(ValueError, match="mask_token_id"):
         tiny_config(drafting="parallel", mask_token_id=100)
+
+
+# --- the MLA layer and EAGLE-3.1's toggles (train/mla.py) ----------------------------------------
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+MLA = dict(layer="mla", q_lora_rank=12, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=6,
+           v_head_dim=10, rope_scaling=YARN)
+MLA_ATTN = {"q_a_proj": (12, 64), "q_a_layernorm": (12,), "q_b_proj": (4 * 14, 12),
+            "kv_a_proj_with_mqa": (24 + 6, 64), "kv_a_layernorm": (24,),
+            "kv_b_proj": (4 * 18, 24), "o_proj": (32, 4 * 10)}
+
+
+def read_vllm_mla_export(directory: str) -> dict:
+    """An MLA export as vLLM's deepseek_eagle3.py loads it (Eagle3DeepseekV2ForCausalLM
+    .load_weights: t2d skipped, d2t -> draft_id_to_target_id, other names but lm_head under
+    "model."; DeepseekV2Eagle3Model's mapper: "midlayer." -> "layers.0.", q_a_proj (shard 0) and
+    kv_a_proj_with_mqa (shard 1) stacked into fused_qkv_a_proj, gate/up into gate_up_proj) ->
+    {"cfg", "params": {vLLM parameter name: tensor}, "targets"}. Fails on a name vLLM has no
+    parameter for, or a parameter left unloaded."""
+    config = json.load(open(os.path.join(directory, "config.json")))
+    stored = load_file(os.path.join(directory, "model.safetensors"))
+    assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
+    assert config["model_type"] == "deepseek_v3" and config["num_hidden_layers"] == 1
+    c = config
+    h, nh = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    a, inter = "model.layers.0.self_attn.", c["intermediate_size"]
+    want = {"model.fc.weight": (h, 3 * c["target_hidden_size"]), "model.norm.weight": (h,),
+            "lm_head.weight": (c["draft_vocab_size"], h),
+            "model.layers.0.input_layernorm.weight": (h,),
+            "model.layers.0.hidden_norm.weight": (h,),
+            "model.layers.0.post_attention_layernorm.weight": (h,),
+            a + "fused_qkv_a_proj.weight": (c["q_lora_rank"] + c["kv_lora_rank"]
+                                            + c["qk_rope_head_dim"], 2 * h),
+            a + "q_a_layernorm.weight": (c["q_lora_rank"],),
+            a + "q_b_proj.weight": (nh * qk, c["q_lora_rank"]),
+            a + "kv_a_layernorm.weight": (c["kv_lora_rank"],),
+            a + "kv_b_proj.weight": (nh * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+                                     c["kv_lora_rank"]),
+            a + "o_proj.weight": (h, nh * c["v_head_dim"]),
+            "model.layers.0.mlp.gate_up_proj.weight": (2 * inter, h),
+            "model.layers.0.mlp.down_proj.weight": (h, inter)}
+    if c.get("fc_norm"):
+        want.update({f"model.fc_norm.{i}.weight": (h,) for i in range(3)})
+    shards: dict[str, dict] = {}
+    d2t = torch.zeros(c["draft_vocab_size"], dtype=torch.int64)
+    for name, t in stored.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            d2t = t
+            continue
+        name = name if "lm_head" in name else "model." + name
+        name = name.replace("midlayer.", "layers.0.")
+        for old, (new, shard) in {".q_a_proj": (".fused_qkv_a_proj", 0),
+                                  ".kv_a_proj_with_mqa": (".fused_qkv_a_proj", 1),
+                                  ".gate_proj": (".gate_up_proj", 0),
+                                  ".up_proj": (".gate_up_proj", 1)}.items():
+            if old in name:
+                shards.setdefault(name.replace(old, new), {})[shard] = t
+                break
+        else:
+            shards.setdefault(name, {})[None] = t
+    params = {k: v[None] if None in v else torch.cat([v[0], v[1]]) for k, v in shards.items()}
+    assert set(params) == set(want), set(params) ^ set(want)
+    for k, shape in want.items():
+        assert tuple(params[k].shape) == shape, (k, tuple(params[k].shape), shape)
+    return {"cfg": c, "params": params, "targets": torch.arange(len(d2t)) + d2t}
+
+
+def vllm_mla_step0(r: dict, embed: torch.Tensor, aux: torch.Tensor,
+                   tokens: torch.Tensor) -> torch.Tensor:
+    """Step 0 as vLLM's deepseek_eagle3.py + DeepseekV2MLAAttention compute it, float64, from
+    their facts: fc_norm per aux chunk, fc; residual = hidden (norm after residual); the 2H input
+    into fused_qkv_a_proj; q_b(q_a_layernorm(q_a)), kv_b(kv_a_layernorm(latent)); RoPE on the
+    rope parts, GPT-J style (is_neox_style=False: pairs stay interleaved), DeepSeek YaRN
+    frequencies and cos/sin scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim);
+    softmax scale Dqk^-0.5 * mscale(factor, mscale_all_dim)^2; causal; o_proj; fused add +
+    post_attention_layernorm; SiLU MLP; norm; lm_head; compute_logits' scatter."""
+    import math
+    c, w = r["cfg"], {k: v.double() for k, v in r["params"].items()}
+    eps, s, nh = c["rms_norm_eps"], tokens.shape[0], c["num_attention_heads"]
+    nope, rope, dv, lr = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], \
+        c["kv_lora_rank"]
+    a, L = "model.layers.0.self_attn.", "model.layers.0."
+
+    def norm(x, name):
+        return w[name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    aux = aux.double()
+    if c.get("fc_norm"):
+        aux = torch.cat([norm(x, f"model.fc_norm.{i}.weight")
+                         for i, x in enumerate(aux.chunk(3, -1))], -1)
+    hidden = aux @ w["model.fc.weight"].T                                   # [S, H]
+    x = torch.cat([norm(embed[tokens].double(), L + "input_layernorm.weight"),
+                   norm(hidden, L + "hidden_norm.weight")], -1)              # [S, 2H]
+    qa, kva = (x @ w[a + "fused_qkv_a_proj.weight"].T).split([c["q_lora_rank"], lr + rope], -1)
+    q = (norm(qa, a + "q_a_layernorm.weight") @ w[a + "q_b_proj.weight"].T).view(s, nh, -1)
+    latent, k_pe = kva.split([lr, rope], -1)
+    kv = (norm(latent, a + "kv_a_layernorm.weight") @ w[a + "kv_b_proj.weight"].T).view(s, nh, -1)
+    k_nope, v = kv.split([nope, dv], -1)
+    sc = c["rope_scaling"] or {}
+    base = c["rope_theta"]
+    inv = 1.0 / base ** (torch.arange(0, rope, 2, dtype=torch.float64) / rope)
+    scale = (nope + rope) ** -0.5
+    cs_scale = 1.0
+    if sc.get("rope_type") == "yarn":
+        f, old = sc["factor"], sc["original_max_position_embeddings"]
+
+        def dim(rot):
+            return rope * math.log(old / (rot * 2 * math.pi)) / (2 * math.log(base))
+        lo, hi = max(math.floor(dim(sc["beta_fast"])), 0), min(math.ceil(dim(sc["beta_slow"])),
+                                                                rope - 1)
+        ramp = ((torch.arange(rope // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0, 1)
+        inv = inv / f * ramp + inv * (1 - ramp)
+
+        def ms(m):
+            return 1.0 if f <= 1 else 0.1 * m * math.log(f) + 1.0
+        cs_scale = ms(sc["mscale"]) / ms(sc["mscale_all_dim"])
+        scale *= ms(sc["mscale_all_dim"]) ** 2
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv               # [S, rope/2]
+    cos, sin = ang.cos() * cs_scale, ang.sin() * cs_scale
+
+    def gptj(t):                          # [.., S, rope] -> pairs (2i, 2i+1) rotated in place
+        t0, t1 = t[..., 0::2], t[..., 1::2]
+        return torch.stack([t0 * cos - t1 * sin, t1 * cos + t0 * sin], -1).flatten(-2)
+    q_nope, q_pe = q.split([nope, rope], -1)
+    qh = torch.cat([q_nope.transpose(0, 1), gptj(q_pe.transpose(0, 1))], -1)  # [nh, S, Dqk]
+    kh = torch.cat([k_nope.transpose(0, 1), gptj(k_pe)[None].expand(nh, s, rope)], -1)
+    scores = (qh @ kh.transpose(1, 2)) * scale                               # [nh, S, S]
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    attn = (scores.softmax(-1) @ v.transpose(0, 1)).transpose(0, 1).reshape(s, nh * dv)
+    residual = attn @ w[a + "o_proj.weight"].T + hidden
+    m = norm(residual, L + "post_attention_layernorm.weight")
+    gate, up = (m @ w[L + "mlp.gate_up_proj.weight"].T).chunk(2, -1)
+    m = (torch.nn.functional.silu(gate) * up) @ w[L + "mlp.down_proj.weight"].T
+    draft = norm(m + residual, "model.norm.weight") @ w["lm_head.weight"].T    # [S, Vd]
+    full = torch.full((s, c["vocab_size"]), float("-inf"), dtype=torch.float64)
+    full[:, r["targets"]] = draft
+    return full
+
+
+def test_mla_drafter_exports_what_vllm_deepseek_eagle3_loads(tmp_path):
+    """An MLA drafter with EAGLE-3.1's toggles: save/load round trip under its own names
+    (midlayer.self_attn.q_a_proj ..., fc_norm.{0,1,2}); the vLLM export is an
+    Eagle3DeepseekV3ForCausalLM config (MLA dims, interleaved rope, YaRN, fc_norm/norm_output,
+    dense) whose weights vLLM's loader maps onto exactly its parameters, and which computes
+    step 0 as the project's drafter does; SGLang's export names its Eagle3DeepseekV2ForCausalLM."""
+    from eagle3_ray.train.draft import Eagle3Drafter
+    cfg = tiny_config(**MLA, fc_norm=True, norm_output=True)
+    state = random_state(cfg)
+    with torch.no_grad():                         # tame magnitudes: softmax not saturated
+        for k, v in state.items():
+            if v.is_floating_point() and v.dim() == 2:
+                state[k] = (v.float() * 0.2).to(v.dtype)
+    shapes = checkpoint.expected_shapes(cfg)
+    for name, shape in MLA_ATTN.items():
+        assert shapes["midlayer.self_attn." + name + ".weight"][0] == shape
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(shapes)
+    assert "midlayer.self_attn.q_proj.weight" not in shapes
+    meta = dict(META, verifier=fake_verifier(tmp_path / "verifier"))
+    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg, meta)
+    loaded, cfg2, _ = checkpoint.load_drafter(d)
+    assert cfg2 == cfg and cfg2.num_key_value_heads == 4
+    assert_same(loaded, {k: v for k, v in state.items() if k in shapes})
+
+    weights, config, expected, _ = _export((d, state, cfg), tmp_path, "vllm")
+    assert_same(weights, expected)
+    for key, value in {"q_lora_rank": 12, "kv_lora_rank": 24, "qk_nope_head_dim": 8,
+                       "qk_rope_head_dim": 6, "v_head_dim": 10, "rope_interleave": True,
+                       "fc_norm": True, "norm_output": True, "rope_scaling": YARN,
+                       "first_k_dense_replace": 1, "n_routed_experts": 0,
+                       "num_key_value_heads": 4, "intermediate_size": 64,
+                       "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": AUX,
+                       "target_hidden_size": 32, "draft_vocab_size": 40}.items():
+        assert config[key] == value, key
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    r = read_vllm_mla_export(str(tmp_path / "vllm"))
+    torch.manual_seed(0)
+    embed = torch.randn(100, 32).to(torch.bfloat16)
+    aux = torch.randn(9, 96).to(torch.bfloat16)
+    tokens = torch.randint(0, 100, (9,))
+    full = vllm_mla_step0(r, embed, aux, tokens)                              # [S, V]
+    drafter = Eagle3Drafter(cfg).double()
+    drafter.load_state_dict({**{k: v.double() if v.is_floating_point() else v
+                                for k, v in loaded.items()},
+                             "embed_tokens.weight": embed.double()})
+    with torch.no_grad():
+        ours = drafter.logits(drafter(tokens[None], aux[None].double(),
+                                      torch.arange(9)[None]))[0]              # [S, Vd]
+    torch.testing.assert_close(full[:, r["targets"]], ours, rtol=1e-5, atol=1e-6)  # fp32 RoPE
+
+    weights, config, _, _ = _export((d, state, cfg), tmp_path, "sglang")
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]   # kimi_k25_eagle3.py
+    assert "midlayer.self_attn.kv_a_proj_with_mqa.weight" in weights and config["fc_norm"]
+
+
+def test_layer_shapes_an_engine_cannot_load_are_refused_by_name(tmp_path):
+    """speculators has no MLA layer; vLLM/SGLang load MLA with q-LoRA only; SGLang's Llama
+    drafter reads no EAGLE-3.1 toggle. speculators carries fc_norm/norm_output (vLLM's reader
+    passes them on to Eagle3LlamaForCausalLM, which loads fc_norm.{i})."""
+    meta = dict(META, verifier=fake_verifier(tmp_path / "verifier"))
+
+    def saved_as(name, **kw):
+        cfg = tiny_config(**kw)
+        return checkpoint.save_drafter(str(tmp_path / name), random_state(cfg), cfg, meta)
+    mla = saved_as("mla", **MLA)
+    with pytest.raises(ValueError, match="MLA drafter has no speculators export"):
+        checkpoint.export(mla, str(tmp_path / "x"), "speculators")
+    no_lora = saved_as("no_lora", **dict(MLA, q_lora_rank=None))
+    assert "midlayer.self_attn.q_proj.weight" in checkpoint.load_drafter(no_lora)[0]
+    for fmt in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match="without q-LoRA"):
+            checkpoint.export(no_lora, str(tmp_path / "x"), fmt)
+    llama31 = saved_as("llama31", fc_norm=True, norm_output=True)
+    with pytest.raises(ValueError, match="no SGLang export"):
+        checkpoint.export(llama31, str(tmp_path / "x"), "sglang")
+    out = checkpoint.export(llama31, str(tmp_path / "vllm31"), "vllm")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert "fc_norm.2.weight" in load_file(os.path.join(out, "model.safetensors"))
+    out = checkpoint.export(llama31, str(tmp_path / "spec31"), "speculators")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert "fc_norm.0.weight" in load_file(os.path.join(out, "model.safetensors"))

@@ -1,12 +1,13 @@
 """The drafter (eagle3_ray/train/draft.py): checkpoint names, RoPE, and building it from a verifier
 by reading only its embedding, final norm and lm_head."""
 import json
+import math
 import os
 
 import pytest
 import torch
 
-from eagle3_ray.train import draft
+from eagle3_ray.train import draft, mla
 
 V, H = 96, 32
 EXPORT_KEYS = {
@@ -254,3 +255,157 @@ def test_mask_slots_are_the_mask_token_on_the_learned_mask_state():
     assert not hasattr(chain, "mask_hidden")
     with pytest.raises(ValueError, match="parallel drafter"):
         chain(ids, aux.float(), pos, masked=3)
+
+
+# --- the MLA layer option (train/mla.py) ------------------------------------------------------
+
+def mla_config(**kw):
+    base = dict(hidden_size=H, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                intermediate_size=48, vocab_size=V, draft_vocab_size=24, layer="mla",
+                q_lora_rank=12, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=6,
+                v_head_dim=10)
+    return draft.DraftConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("q_lora", [12, None])
+def test_mla_attention_is_transformers_deepseek_v3_attention(q_lora):
+    """The MLA drafter's qkv -> causal attention -> o_proj equals transformers' DeepseekV3Attention
+    (rope_interleave: vLLM's is_neox_style=False pairs) with the same weights on the same 2H input
+    (concat(input_layernorm(embed), hidden_norm(hidden))); Dv != Dqk, scale Dqk^-0.5."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention, DeepseekV3RotaryEmbedding)
+    torch.manual_seed(0)
+    c = mla_config(q_lora_rank=q_lora)
+    m = draft.Eagle3Drafter(c).double()
+    with torch.no_grad():
+        for p in m.midlayer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)        # norms too: every weight must matter
+    ref_cfg = DeepseekV3Config(hidden_size=2 * H, num_attention_heads=2, num_key_value_heads=2,
+                               q_lora_rank=q_lora, kv_lora_rank=20, qk_nope_head_dim=8,
+                               qk_rope_head_dim=6, v_head_dim=10, rms_norm_eps=c.rms_norm_eps,
+                               rope_interleave=True, attention_bias=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    ref_cfg._attn_implementation = "eager"
+    ref = DeepseekV3Attention(ref_cfg, 0).double()
+    ours = dict(m.midlayer.self_attn.named_parameters())
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name == "o_proj.weight":              # [2H, nh*Dv]: ours is the first H rows
+                p.zero_()[:H] = ours[name]
+            else:
+                p.copy_(ours[name])
+    b, s = 2, 7
+    ids, hidden = torch.randint(0, V, (b, s)), torch.randn(b, s, H, dtype=torch.float64)
+    pos = (torch.arange(s)[None] + torch.tensor([[0], [5]]))                 # [B, S]
+    q, k, v = m.qkv(ids, hidden, pos)
+    assert q.shape == k.shape == (b, 2, s, 14) and v.shape == (b, 2, s, 10)
+    got = m.midlayer.self_attn.o_proj(draft.causal_attention(q, k, v))      # [B, S, H]
+    layer = m.midlayer
+    x = torch.cat([layer.input_layernorm(m.embed_tokens(ids).double()),
+                   layer.hidden_norm(hidden)], -1)                           # [B, S, 2H]
+    mask = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    cos_sin = DeepseekV3RotaryEmbedding(ref_cfg)(x, pos)
+    want, _ = ref(x, cos_sin, mask)                                          # [B, S, 2H]
+    torch.testing.assert_close(got, want[..., :H], rtol=1e-5, atol=1e-6)   # fp32 RoPE angles
+    assert not want[..., H:].any()
+
+
+def test_mla_yarn_scale_and_refusals():
+    """YaRN (DeepSeek's): softmax scale Dqk^-0.5 * mscale(factor, mscale_all_dim)^2, folded
+    into q; transformers' DeepseekV3 YaRN frequencies. Unsupported shapes are refused by name."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    yarn = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    c = mla_config(rope_scaling=yarn)
+    ref_cfg = DeepseekV3Config(hidden_size=2 * H, qk_rope_head_dim=6, qk_nope_head_dim=8,
+                               rope_parameters={**yarn, "rope_theta": 10000.0},
+                               max_position_embeddings=2048)
+    ref_inv, _ = ROPE_INIT_FUNCTIONS["yarn"](ref_cfg, None)
+    torch.testing.assert_close(mla.rope_inv_freq(c), ref_inv.float())
+    m = draft.Eagle3Drafter(c).double()
+    plain = draft.Eagle3Drafter(mla_config()).double()
+    plain.load_state_dict(m.state_dict())
+    ids, hidden, pos = torch.randint(0, V, (1, 4)), torch.randn(1, 4, H).double(), \
+        torch.arange(4)[None]
+    mscale = 0.1 * math.log(32.0) + 1.0
+    q_yarn, q_plain = m.qkv(ids, hidden, pos)[0], plain.qkv(ids, hidden, pos)[0]
+    nope = c.qk_nope_head_dim     # the nope part has no rope: only the scale differs there
+    torch.testing.assert_close(q_yarn[..., :nope], q_plain[..., :nope] * mscale ** 2)
+    with pytest.raises(ValueError, match="longrope"):
+        mla_config(rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="parallel"):
+        mla_config(drafting="parallel")
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        mla_config(kv_lora_rank=None)
+
+
+def test_mla_dims_from_the_verifier(deepseek_verifier):
+    """from_verifier_config(layer="mla") reads the DeepSeek verifier's MLA dims; a Llama layer
+    on it takes head_dim = H / heads (its config's head_dim is qk_rope_head_dim); a Llama
+    verifier gets mla.DEFAULT_DIMS."""
+    from transformers import AutoConfig, LlamaConfig
+    vcfg = AutoConfig.from_pretrained(deepseek_verifier)
+    c = draft.DraftConfig.from_verifier_config(vcfg, 64, [2, 4, 5], layer="mla")
+    assert (c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+            c.v_head_dim) == (64, 512, 64, 64, 64)
+    assert c.num_key_value_heads == c.num_attention_heads == 2
+    assert c.qk_head_dim == 128 and c.value_head_dim == 64
+    llama_layer = draft.DraftConfig.from_verifier_config(vcfg, 64, [2, 4, 5])
+    assert llama_layer.head_dim == 64 and llama_layer.kv_lora_rank is None
+    lcfg = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, vocab_size=V)
+    d = draft.DraftConfig.from_verifier_config(lcfg, 16, layer="mla")
+    assert d.kv_lora_rank == 512 and d.qk_rope_head_dim == 64 and d.q_lora_rank == H
+
+
+def test_fc_norm_norms_each_aux_state_and_norm_output_feeds_the_normed_state():
+    """EAGLE-3.1: fc_norm = fc(cat(fc_norm.i(aux_i))); norm_output: a step handed the previous
+    output h runs on norm(h) (vLLM's aux_output), so forward(h) == plain forward(norm(h))."""
+    torch.manual_seed(0)
+    for layer in ("llama", "mla"):
+        kw = {} if layer == "mla" else dict(layer="llama", num_attention_heads=4)
+        c = mla_config(fc_norm=True, norm_output=True, **kw)
+        m = draft.Eagle3Drafter(c).double()
+        with torch.no_grad():
+            for j in range(3):
+                m.fc_norm[j].weight.uniform_(0.5, 1.5)
+            m.norm.weight.uniform_(0.5, 1.5)
+        plain = draft.Eagle3Drafter(draft.DraftConfig(**{**c.to_dict(), "fc_norm": False,
+                                                         "norm_output": False})).double()
+        plain.load_state_dict(m.state_dict(), strict=False)
+        aux = torch.randn(2, 5, 3 * H, dtype=torch.float64) * 3
+        want = torch.cat([draft.rms_norm(x, n.weight, c.rms_norm_eps)
+                          for x, n in zip(aux.chunk(3, -1), m.fc_norm)], -1)
+        torch.testing.assert_close(m.fuse(aux), plain.fc(want))
+        ids, pos = torch.randint(0, V, (2, 5)), torch.arange(5)[None].expand(2, 5)
+        h = m(ids, aux, pos)
+        torch.testing.assert_close(m(ids, h, pos + 1), plain(ids, m.norm(h), pos + 1))
+        assert not torch.allclose(m(ids, h, pos + 1), plain(ids, h, pos + 1))
+
+
+def test_mla_drafter_builds_and_starts_from_a_deepseek_verifier_layer(deepseek_verifier):
+    """build_drafter(init="verifier") on a DeepSeek verifier with an MLA drafter copies the MLA
+    attention of the layer (q_a/kv_a_proj_with_mqa into the 2H input's hidden half, the rest
+    whole); that layer's MoE MLP has no dense counterpart and stays random."""
+    from transformers import AutoConfig
+    from safetensors.torch import load_file
+    vcfg = AutoConfig.from_pretrained(deepseek_verifier)
+    c = draft.DraftConfig.from_verifier_config(vcfg, 64, [2, 4, 5], layer="mla")
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[:64] = True
+    with pytest.warns(UserWarning, match=r"layer 5: .*mlp.gate_proj.*start random"):  # MoE
+        drafter, _ = draft.build_drafter(deepseek_verifier, c,
+                                         torch.zeros(64, dtype=torch.long), t2d, init="verifier")
+    w = load_file(os.path.join(deepseek_verifier, "model.safetensors"))
+    a, h = drafter.midlayer.self_attn, c.hidden_size
+    for name in ("q_a_proj", "kv_a_proj_with_mqa"):
+        mine = getattr(a, name).weight
+        assert torch.equal(mine[:, h:], w[f"model.layers.5.self_attn.{name}.weight"])
+        assert not mine[:, :h].any()
+    for name in ("q_b_proj", "kv_b_proj", "o_proj", "q_a_layernorm", "kv_a_layernorm"):
+        assert torch.equal(getattr(a, name).weight, w[f"model.layers.5.self_attn.{name}.weight"])
+    out = drafter(torch.randint(0, c.vocab_size, (1, 6)), torch.randn(1, 6, 3 * h),
+                  torch.arange(6)[None])
+    assert out.shape == (1, 6, h) and torch.isfinite(out).all()

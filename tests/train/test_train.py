@@ -245,9 +245,11 @@ def test_vocab_source_and_recompute_choices():
     assert train.vocab_column(False) == "input_ids"                # online, format 1
     assert not train.recompute(auto) and train.recompute(TrainConfig(dataset="x", use_gpu=True))
     assert train.recompute(TrainConfig(dataset="x", recompute="on"))
-    for bad in ({"targets": "kl"}, {"recompute": "yes"}):
+    for bad in ({"targets": "kl"}, {"recompute": "yes"}, {"draft_layer": "gqa"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             train.check_config(TrainConfig(dataset="x", **bad))
+    with pytest.raises(ValueError, match="no engine runs a parallel MLA drafter"):
+        train.check_config(TrainConfig(dataset="x", draft_layer="mla", drafting="parallel"))
 
 
 def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
@@ -290,6 +292,18 @@ def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
                                             "num_attention_heads": 6}))
         with pytest.raises(ValueError, match=r"k_proj.weight is \(16, 64\) there and \(24, 64\)"):
             train.load_train_state(str(tmp_path), wide, train.make_optimizers(cfg, wide))
+        # another layer shape (--draft-layer mla, --fc-norm) is refused by its tensor names; a
+        # toggle no tensor shows (--norm-output) by the run's recorded draft shape
+        shape = {k: getattr(c, k) for k in train.RESUME_FIXED}
+        train.save_train_state(str(tmp_path), weights, opt_state, {"step": 2, "draft_shape": shape})
+        for change, match in [({"layer": "mla", "q_lora_rank": 8, "kv_lora_rank": 8,
+                                "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4},
+                               "layer"), ({"fc_norm": True}, "fc_norm"),
+                              ({"norm_output": True}, "norm_output")]:
+            other = Eagle3Drafter(DraftConfig(**{**c.to_dict(), **change}))
+            with pytest.raises(ValueError, match=match):
+                train.load_train_state(str(tmp_path), other, train.make_optimizers(cfg, other))
+        assert train.load_train_state(str(tmp_path), model2, opts2)["draft_shape"] == shape
     finally:
         dist.destroy_process_group()
     for o, o2 in zip(opts, opts2):

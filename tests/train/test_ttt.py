@@ -14,13 +14,13 @@ B, S, V, VD = 2, 12, 50, 20
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny(seed=0, dtype=torch.float64, drafting="chain"):
+def tiny(seed=0, dtype=torch.float64, drafting="chain", **config):
     """A tiny drafter + teacher + batch: right padding in sample 1, masked positions, a draft
-    vocab that misses some teacher argmaxes."""
+    vocab that misses some teacher argmaxes. config: more DraftConfig fields (layer, ...)."""
     g = torch.Generator().manual_seed(seed)
     c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     intermediate_size=48, vocab_size=V, draft_vocab_size=VD, rope_theta=100.0,
-                    drafting=drafting)
+                    drafting=drafting, **config)
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(c).to(dtype)
     with torch.no_grad():  # bigger weights than the 0.02 init so every term matters
@@ -28,6 +28,8 @@ def tiny(seed=0, dtype=torch.float64, drafting="chain"):
             if p.requires_grad and p.dim() == 2:
                 p.normal_(0, 0.3, generator=g)
         drafter.norm.weight.uniform_(0.5, 1.5, generator=g)
+        for n in getattr(drafter, "fc_norm", []):
+            n.weight.uniform_(0.5, 1.5, generator=g)
         if drafting == "parallel":
             drafter.mask_hidden.normal_(0, 1.0, generator=g)
     target_ids = torch.sort(torch.randperm(V, generator=g)[:VD]).values       # [Vd]
@@ -85,11 +87,12 @@ def naive_loss(drafter, batch, full, steps, decay, deep=None, counts=None, hard=
                            ((kpos[None] <= qpos)[None] & att[:, None, :].repeat(1, 1, k + 1))
                            | (kpos[None] == qpos)[None],
                            (kpos[None] == qpos)[None])                        # [B, S, (k+1)S]
-        scores = q @ K.transpose(-1, -2) / math.sqrt(c.head_dim)
+        scores = q @ K.transpose(-1, -2) / math.sqrt(c.qk_head_dim)
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        out = scores.softmax(-1) @ Vv                                         # [B, nh, S, D]
-        hidden = drafter.finish(hidden, out.transpose(1, 2).reshape(B, S, -1))
-        logp = drafter.logits(hidden).log_softmax(-1)                         # [B, S, Vd]
+        out = scores.softmax(-1) @ Vv                                         # [B, nh, S, Dv]
+        out = drafter.finish(hidden, out.transpose(1, 2).reshape(B, S, -1))  # [B, S, H]
+        logp = drafter.logits(out).log_softmax(-1)                            # [B, S, Vd]
+        hidden = drafter.norm(out) if c.norm_output else out   # EAGLE-3.1: fed post-norm
         tgt = torch.zeros_like(p)
         valid = torch.zeros_like(ok)
         if k + 1 < S:
@@ -109,10 +112,9 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("steps,block", [(1, 256), (2, 256), (5, 256), (5, 5)])
-def test_matches_naive_reference(steps, block, monkeypatch):
-    monkeypatch.setattr(ttt, "ATTN_BLOCK", block)  # 5: queries in 3 blocks of the 12 positions
-    drafter, teacher, batch, full = tiny()
+def matches_reference(drafter, teacher, batch, full, steps: int):
+    """ttt_loss's loss and gradients equal naive_loss's (every trainable parameter gets one);
+    returns the reference loss, its gradients and ttt_loss's metrics."""
     ref = naive_loss(drafter, batch, full, steps, 0.8)
     ref.backward()
     g_ref = grads(drafter)
@@ -125,6 +127,14 @@ def test_matches_naive_reference(steps, block, monkeypatch):
     for n in g:
         assert torch.allclose(g[n], g_ref[n], rtol=1e-8, atol=1e-11), n
         assert g[n].abs().sum() > 0, n
+    return ref, g_ref, m
+
+
+@pytest.mark.parametrize("steps,block", [(1, 256), (2, 256), (5, 256), (5, 5)])
+def test_matches_naive_reference(steps, block, monkeypatch):
+    monkeypatch.setattr(ttt, "ATTN_BLOCK", block)  # 5: queries in 3 blocks of the 12 positions
+    drafter, teacher, batch, full = tiny()
+    ref, g_ref, m = matches_reference(drafter, teacher, batch, full, steps)
     assert m["count"][0] > 0 and len(m["acc_k"]) == steps
     # no checkpointing / no chunking: same numbers
     drafter.zero_grad()
@@ -134,6 +144,20 @@ def test_matches_naive_reference(steps, block, monkeypatch):
     assert torch.allclose(loss2, ref, rtol=1e-10)
     for n, v in grads(drafter).items():
         assert torch.allclose(v, g_ref[n], rtol=1e-8, atol=1e-11), n
+
+
+MLA = dict(layer="mla", q_lora_rank=12, kv_lora_rank=20, qk_nope_head_dim=6,
+           qk_rope_head_dim=4, v_head_dim=5)
+
+
+@pytest.mark.parametrize("config", [MLA, dict(MLA, fc_norm=True, norm_output=True),
+                                    dict(fc_norm=True, norm_output=True)],
+                         ids=["mla", "mla-3.1", "llama-3.1"])
+def test_mla_and_eagle31_unrolls_match_the_naive_reference(config):
+    """An MLA drafter (Dqk 10 != Dv 5, a key/value per head) and the EAGLE-3.1 toggles (fc_norm
+    in fuse; norm_output: step k+1 fed norm(output of step k)) through the diagonal unroll give
+    the direct per-step computation's loss and gradients."""
+    matches_reference(*tiny(**config), 3)
 
 
 def test_hard_targets_match_the_reference_and_never_run_the_teacher():
