@@ -291,7 +291,8 @@ def forward_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     slower than max's vectorized one (~6% of a whole bf16 forward); 256-row chunks (25 MB of
     bf16 logits) run the bf16 lm_head ~10% faster than 512-4096 rows and fp32 as fast."""
     with capture_hidden_states(model, layer_ids) as got:
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False)
     aux = torch.stack([got["aux0"], got["aux1"], got["aux2"]], dim=2)  # [B, S, 3, H]
     normed = out.last_hidden_state                                     # [B, S, H]
     head = model.get_output_embeddings()

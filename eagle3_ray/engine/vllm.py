@@ -161,8 +161,8 @@ def config_overrides(model_dir: str) -> dict:
         return {}
     nested = text.get("model_type") != _model_type(model_dir)
     if text.get("rope_interleave") is False:
-        raise ValueError(f"{model_dir}/config.json: rope_interleave is false, but vLLM's DeepSeek MLA rotates "
-                         "interleaved pairs (as DeepSeek-V3 and Kimi are trained): the engines "
+        raise ValueError(f"{model_dir}/config.json: rope_interleave is false, but vLLM's "
+                         "DeepSeek MLA rotates interleaved pairs (as DeepSeek-V3 and Kimi are trained): the engines "
                          "would disagree; save the verifier with rope_interleave true")
     missing = {k: v for k, v in DEEPSEEK_ROUTING.items() if k not in text}
     return ({"text_config": missing} if nested else missing) if missing else {}

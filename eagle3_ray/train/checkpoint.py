@@ -34,7 +34,7 @@ their sources; no code taken):
     the config's top-level mask_token_id and feeds each mask slot fc(mask_hidden).
   - vLLM vllm/model_executor/models/deepseek_eagle3.py (the MLA layer, DraftConfig.layer "mla";
     registry: Eagle3DeepseekV2ForCausalLM and ...V3... are the same class): builds the layer from
-    a DeepseekV2/V3 config (model_type deepseek_v3: q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+    a DeepseekV2/V3 config (model_type deepseek_v2, see _layer_config: q_lora_rank, kv_lora_rank, qk_nope_head_dim,
     qk_rope_head_dim, v_head_dim, rope_theta/rope_scaling -> rope_parameters, rms_norm_eps,
     intermediate_size for its always-dense MLP); load_weights as llama_eagle3's (t2d skipped,
     d2t -> draft_id_to_target_id only for a reduced vocab, "model." prefix), then
@@ -197,7 +197,7 @@ MLA_ARCHITECTURES = {"vllm": "Eagle3DeepseekV3ForCausalLM", "sglang": "Eagle3Dee
 
 def _layer_config(cfg: DraftConfig, fmt: str | None) -> dict:
     """The decoder layer's part of config.json: LlamaForCausalLMEagle3's, or for an MLA layer
-    a DeepseekV3Config that vLLM's deepseek_eagle3.py / SGLang's kimi_k25_eagle3.py build the
+    a DeepseekV2 config that vLLM's deepseek_eagle3.py / SGLang's kimi_k25_eagle3.py build the
     layer from (q_lora_rank, kv_lora_rank, qk_nope/qk_rope/v_head_dim, interleaved rope); its
     MLP is dense in both whatever the MoE keys say, which state it anyway (no routed experts,
     first_k_dense_replace 1: every one of its 1 layers dense)."""
@@ -207,8 +207,13 @@ def _layer_config(cfg: DraftConfig, fmt: str | None) -> dict:
     if cfg.layer != "mla":
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **common,
                 "head_dim": cfg.head_dim}
+    # model_type deepseek_v2, not _v3: vLLM's SpeculativeConfig.hf_config_override turns any
+    # draft config of model_type deepseek_v3 (or _v32, glm_moe_dsa) into a deepseek_mtp one,
+    # architectures ["DeepSeekMTPModel"] whatever they were ("Model architectures
+    # ['Eagle3DeepSeekMTPModel'] are not supported"; vllm/config/speculative.py, 0.32). The
+    # DeepseekV2 config carries the same MLA keys, and both engines build the same layer.
     return {"architectures": [MLA_ARCHITECTURES.get(fmt, MLA_ARCHITECTURES["vllm"])],
-            "model_type": "deepseek_v3", **common,
+            "model_type": "deepseek_v2", **common,
             **{k: getattr(cfg, k) for k in mla.MLA_KEYS},
             "rope_interleave": True, "first_k_dense_replace": 1, "n_routed_experts": 0}
 

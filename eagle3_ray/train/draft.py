@@ -89,6 +89,8 @@ class DraftConfig:
         if self.layer == "mla":
             mla.check_config(self)
             self.num_key_value_heads = self.num_attention_heads   # MLA: a key/value per head
+        else:               # refuse an unsupported rope now, not at a worker's first forward
+            rope_inv_freq(self)
         if self.drafting == "parallel" and self.mask_token_id is None:
             self.mask_token_id = self.vocab_size - 1
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -236,7 +238,10 @@ def rope_inv_freq(c: DraftConfig, device=None) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling {kind!r} not supported (default, linear, llama3): {s}")
+    mla_hint = ("; the MLA layer takes DeepSeek's YaRN (Kimi-K2.5's): --draft-layer mla"
+                if kind == "yarn" else "")
+    raise ValueError(f"rope scaling {kind!r} not supported by the Llama drafter layer (default, "
+                     f"linear, llama3): {s}{mla_hint}")
 
 
 def rope_cos_sin(c: DraftConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

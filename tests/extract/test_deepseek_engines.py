@@ -64,7 +64,8 @@ def direct_layer0(directory: str, ids: torch.Tensor) -> torch.Tensor:
     o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), kv[..., dn:]).reshape(s, nh * dv)
     x = x + o @ w[a + "o_proj.weight"].T
     m = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-    m = torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)
+    m = (torch.nn.functional.silu(m @ w[p + "mlp.gate_proj.weight"].T)
+         * (m @ w[p + "mlp.up_proj.weight"].T))
     return x + m @ w[p + "mlp.down_proj.weight"].T
 
 

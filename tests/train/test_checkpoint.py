@@ -622,7 +622,7 @@ def read_vllm_mla_export(directory: str) -> dict:
     config = json.load(open(os.path.join(directory, "config.json")))
     stored = load_file(os.path.join(directory, "model.safetensors"))
     assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
-    assert config["model_type"] == "deepseek_v3" and config["num_hidden_layers"] == 1
+    assert config["model_type"] == "deepseek_v2" and config["num_hidden_layers"] == 1
     c = config
     h, nh = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]

@@ -339,6 +339,12 @@ def test_mla_yarn_scale_and_refusals():
         mla_config(drafting="parallel")
     with pytest.raises(ValueError, match="kv_lora_rank"):
         mla_config(kv_lora_rank=None)
+    # the Llama layer has no DeepSeek YaRN: refused when the config is made (the driver, before
+    # any worker starts), pointing at the layer that has it
+    with pytest.raises(ValueError, match="yarn.*--draft-layer mla"):
+        draft.DraftConfig(hidden_size=H, num_attention_heads=2, num_key_value_heads=2,
+                          head_dim=H // 2, intermediate_size=2 * H, vocab_size=V,
+                          draft_vocab_size=V, rope_scaling=yarn)
 
 
 def test_mla_dims_from_the_verifier(deepseek_verifier):
