@@ -22,8 +22,13 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
                   (--quick: 0, 2, 4) on step 3's prompts (bench_engines_vllm: `bench
                   engines`; per engine tau, tokens/s and outputs identical to depth 0 per
                   depth, and the prompts the two engines decode alike)
+  7. Kimi's shape (with vLLM): `eagle3-ray toy deepseek` writes a small DeepSeek-V3-shaped
+                  verifier (MLA + MoE), step 1 extracts with it through vLLM, a Llama-layer
+                  drafter trains on it (the shape vLLM's CPU build cannot serve on an MLA
+                  target: the suite serves the MLA layer there) and `bench engines` serves it
+                  in both engines (bench_engines_deepseek)
 Without CUDA it says so, runs the same steps at tiny sizes on the CPU (2 gloo workers,
-depths 0-2; bench_engines_vllm is printed, not run: CPU_SKIPPED) plus the all-reduce curve with
+depths 0-2; bench_engines_vllm and step 7 are printed, not run: CPU_SKIPPED) plus the all-reduce curve with
 gloo between 2 processes (the code path of the NCCL one), and exits 0 when they pass (1 when a
 step fails). Writes --out (runs/gpu_check.json): the machine, and per step its command,
 status, wall time and figures; the step outputs stay under --work (runs/gpu_check/).
@@ -51,7 +56,8 @@ CPU_SKIPPED = {"bench_engines_vllm": (
     "starting vLLM's CPU engines; run the command above to check it here"),
     **{n: "skipped on the CPU path: the suite runs the DeepSeek-shaped verifier through vLLM's "
           "CPU build (tests/extract/test_extract_vllm.py); run the command above to check it here"
-       for n in ("toy_deepseek", "extract_vllm_deepseek")}}
+       for n in ("toy_deepseek", "extract_vllm_deepseek", "train_deepseek",
+                 "bench_engines_deepseek")}}
 # --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
 # held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
 QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
@@ -124,15 +130,26 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
                       _extract(cuda, min(gpus, 1), step_dir(work, "extract_vllm_deepseek"),
                                size("samples"), size("max_length"))
                       + ["--engine", "vllm", "--verifier", toy], "toy_deepseek"))
+        ds_train = step_dir(work, "train_deepseek")
+        steps.append(("train_deepseek", [
+            "train", "--dataset", step_dir(work, "extract_vllm_deepseek"), "--output", ds_train,
+            "--ttt-steps", str(size("ttt_steps")), "--max-steps", str(size("max_steps")),
+            "--warmup-steps", "2", "--eval-every", "0", "--draft-vocab-size", "4096",
+            "--checkpoint-every", str(size("max_steps")), "--num-workers", "1"]
+            + (["--use-gpu"] if cuda else ["--cpus-per-worker", "0.5"]), "extract_vllm_deepseek"))
+        steps.append(("bench_engines_deepseek",
+                      _bench_engines(cuda, os.path.join(ds_train, "drafter"), work, size,
+                                     "bench_engines_deepseek"), "train_deepseek"))
     return steps + (quality_commands(cuda, gpus, work, quality_minutes) if quality_minutes else [])
 
 
-def _bench_engines(cuda: bool, drafter: str, work: str, size) -> list[str]:
+def _bench_engines(cuda: bool, drafter: str, work: str, size,
+                   name: str = "bench_engines_vllm") -> list[str]:
     """`eagle3-ray bench engines`: the drafter served by vLLM and by the builtin decoder, on one
     GPU with CUDA (bench engines picks it where torch sees CUDA; --gpus 1 says so)."""
     argv = ["bench", "engines", "--drafter", drafter, "--samples", str(size("prompts")),
             "--max-tokens", str(size("max_tokens")), "--depths", *map(str, size("engine_depths")),
-            "--out", step_dir(work, "bench_engines_vllm")]
+            "--out", step_dir(work, name)]
     return argv + (["--gpus", "1"] if cuda else [])
 
 
@@ -199,9 +216,9 @@ def figures(name: str, work: str) -> dict:
                 "skipped": s["skipped"]}
     if name == "quality_serve":
         return served_figures(os.path.join(out, "serve.json"))
-    if name == "bench_engines_vllm":
+    if name in ("bench_engines_vllm", "bench_engines_deepseek"):
         return engines_figures(os.path.join(out, "engines.json"))
-    if name in ("train_ddp", "train_fsdp", "quality_train"):
+    if name in ("train_ddp", "train_fsdp", "quality_train", "train_deepseek"):
         hist = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
         last, meta = hist[-1], json.load(open(os.path.join(out, "drafter", "meta.json")))
         tc = meta.get("train_config", {})

@@ -28,10 +28,15 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     steps = {n: (argv, needs) for n, argv, needs in gpu_check.commands(True, 4, str(tmp_path))}
     assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
                            "extract_vllm", "bench_engines_vllm", "toy_deepseek",
-                           "extract_vllm_deepseek"]
+                           "extract_vllm_deepseek", "train_deepseek", "bench_engines_deepseek"]
     e = cli.extract_config(parsed(steps["extract_vllm_deepseek"][0], monkeypatch)[1])
     assert (e.engine, e.verifier, steps["extract_vllm_deepseek"][1]) == (
         "vllm", str(tmp_path / "deepseek-verifier"), "toy_deepseek")
+    t = cli.train_config(parsed(steps["train_deepseek"][0], monkeypatch)[1])   # a Llama layer
+    assert (t.dataset, t.draft_layer, t.num_workers, t.use_gpu) == (
+        str(tmp_path / "extract-vllm-deepseek"), "llama", 1, True)
+    fn, a = parsed(steps["bench_engines_deepseek"][0], monkeypatch)
+    assert a.drafter == str(tmp_path / "train-deepseek" / "drafter") and a.gpus == 1
     e = cli.extract_config(parsed(steps["extract_vllm"][0], monkeypatch)[1])
     assert (e.engine, e.replicas, e.gpus_per_replica, e.sample_limit) == ("vllm", 4, 1, 300)
     fn, a = parsed(steps["bench_engines_vllm"][0], monkeypatch)   # vLLM vs builtin, one GPU
@@ -122,7 +127,8 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     g = json.load(open(out))
     assert g["mode"] == "cpu" and g["ok"] and not g["machine"]["cuda"]
     s = g["steps"]
-    vllm = ({"extract_vllm", "bench_engines_vllm", "toy_deepseek", "extract_vllm_deepseek"}
+    vllm = ({"extract_vllm", "bench_engines_vllm", "toy_deepseek", "extract_vllm_deepseek",
+             "train_deepseek", "bench_engines_deepseek"}
             if gpu_check.vllm_available()
             else set())                                          # .venv-vllm built
     assert set(s) == {"extract", "train_ddp", "train_fsdp", "bench_serve", "profile",

@@ -140,3 +140,26 @@ def test_kimi_wrapper_extracts_as_its_text_model_and_trains(ray_cluster, kimi_ve
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["verifier"] == kimi_verifier
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_every_vllm_path_gets_the_deepseek_settings(deepseek_verifier, kimi_verifier,
+                                                    tiny_verifier):
+    """Serving (Ray Serve LLM's engine_kwargs) takes the settings extraction and bench engines
+    take: the routing keys the checkpoint lacks (nested for Kimi's wrapper), and on CPU only the
+    native rotary. A Llama verifier gets neither."""
+    from eagle3_ray.engine import vllm as engine
+    from eagle3_ray.serve import vllm as serve_vllm
+    from eagle3_ray.serve.app import ServeConfig
+    cpu = serve_vllm.llm_config(ServeConfig(verifier=deepseek_verifier, engine="vllm", depth=0),
+                                None)["engine_kwargs"]
+    assert cpu["hf_overrides"] == engine.DEEPSEEK_ROUTING
+    assert cpu["compilation_config"] == engine.CPU_MLA_COMPILATION
+    gpu = serve_vllm.llm_config(ServeConfig(verifier=deepseek_verifier, engine="vllm", depth=0,
+                                            gpus_per_replica=1), None)["engine_kwargs"]
+    assert gpu["hf_overrides"] == engine.DEEPSEEK_ROUTING and "compilation_config" not in gpu
+    assert engine.config_overrides(kimi_verifier) == {"text_config": engine.DEEPSEEK_ROUTING}
+    assert engine.is_deepseek(kimi_verifier)
+    config = json.load(open(os.path.join(deepseek_verifier, "config.json")))
+    assert "topk_method" not in config           # as transformers 5 saves DeepSeek-V3
+    llama = engine.engine_kwargs(model=tiny_verifier)
+    assert "hf_overrides" not in llama and "compilation_config" not in llama
