@@ -213,7 +213,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)   # on the token embedding
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)       # on the incoming hidden
-        self.self_attn = mla.MLAAttention(c) if c.layer == "mla" else Attention(c)
+        self.self_attn = mla.MLAAttention(c, RMSNorm) if c.layer == "mla" else Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 

@@ -151,22 +151,22 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
 class MLAAttention(nn.Module):
     """The projections of one MLA attention (names as the engines load them); the attention
-    pattern belongs to the caller, as in draft.Attention."""
+    pattern belongs to the caller, as in draft.Attention. `norm(size, eps)` makes the layer's
+    RMSNorms (draft.RMSNorm: passed in, so this module imports nothing of draft.py's)."""
 
-    def __init__(self, c):
+    def __init__(self, c, norm):
         super().__init__()
-        from eagle3_ray.train.draft import RMSNorm
         h, nh = c.hidden_size, c.num_attention_heads
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         if c.q_lora_rank:
             self.q_a_proj = nn.Linear(2 * h, c.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_a_layernorm = norm(c.q_lora_rank, c.rms_norm_eps)
             self.q_b_proj = nn.Linear(c.q_lora_rank, nh * qk, bias=False)
         else:
             self.q_proj = nn.Linear(2 * h, nh * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(2 * h, c.kv_lora_rank + c.qk_rope_head_dim,
                                             bias=False)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_a_layernorm = norm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim),
                                    bias=False)
         self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=False)
@@ -198,19 +198,16 @@ class MLAAttention(nn.Module):
 def main(argv=None):
     import argparse
     import json
+    from types import SimpleNamespace
 
-    from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    c = DraftConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                    intermediate_size=128, vocab_size=500, draft_vocab_size=200, layer="mla",
-                    q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                    v_head_dim=12)
-    m = Eagle3Drafter(c)
-    ids, aux = torch.randint(0, 500, (1, 10)), torch.randn(1, 10, 3 * 64)
-    q, k, v = m.qkv(ids, m.fuse(aux), torch.arange(10)[None])
-    out = m(ids, aux, torch.arange(10)[None])
-    print(json.dumps({"q": list(q.shape), "k": list(k.shape), "v": list(v.shape),
-                      "out": list(out.shape)}))
+    c = SimpleNamespace(hidden_size=64, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=64,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None)
+    attn = MLAAttention(c, lambda size, eps: nn.RMSNorm(size, eps=eps))
+    cos, sin = rope_cos_sin(c, torch.arange(10)[None])                       # [1, 10, 4] each
+    q, k, v = attn.qkv(c, torch.randn(1, 10, 2 * 64), cos[:, None], sin[:, None])
+    print(json.dumps({"q": list(q.shape), "k": list(k.shape), "v": list(v.shape)}))
 
 
 if __name__ == "__main__":
