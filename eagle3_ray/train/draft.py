@@ -90,7 +90,7 @@ class DraftConfig:
             mla.check_config(self)
             self.num_key_value_heads = self.num_attention_heads   # MLA: a key/value per head
         else:               # refuse an unsupported rope now, not at a worker's first forward
-            rope_inv_freq(self)
+            llama_rope_kind(self)
         if self.drafting == "parallel" and self.mask_token_id is None:
             self.mask_token_id = self.vocab_size - 1
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -218,30 +218,40 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
 
+LLAMA_ROPE = ("default", "linear", "llama3")
+
+
+def llama_rope_kind(c: DraftConfig) -> str:
+    """The Llama layer's rope scaling kind, one of LLAMA_ROPE; any other is refused by name."""
+    s = c.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind not in LLAMA_ROPE:
+        mla_hint = ("; the MLA layer takes DeepSeek's YaRN (Kimi-K2.5's): --draft-layer mla"
+                    if kind == "yarn" else "")
+        raise ValueError(f"rope scaling {kind!r} not supported by the Llama drafter layer "
+                         f"{LLAMA_ROPE}: {s}{mla_hint}")
+    return kind
+
+
 def rope_inv_freq(c: DraftConfig, device=None) -> torch.Tensor:
     """[head_dim/2] fp32 inverse frequencies: default, "linear" or "llama3" scaling (the same
     formulas as transformers' ROPE_INIT_FUNCTIONS and SGLang/vLLM's get_rope)."""
     d = c.head_dim
     inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
     s = c.rope_scaling or {}
-    kind = s.get("rope_type", s.get("type", "default"))
+    kind = llama_rope_kind(c)
     if kind == "default":
         return inv
     if kind == "linear":
         return inv / s["factor"]
-    if kind == "llama3":
-        factor, old = s["factor"], s["original_max_position_embeddings"]
-        low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / low, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-        return torch.where(medium, smoothed, scaled)
-    mla_hint = ("; the MLA layer takes DeepSeek's YaRN (Kimi-K2.5's): --draft-layer mla"
-                if kind == "yarn" else "")
-    raise ValueError(f"rope scaling {kind!r} not supported by the Llama drafter layer (default, "
-                     f"linear, llama3): {s}{mla_hint}")
+    factor, old = s["factor"], s["original_max_position_embeddings"]      # llama3
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def rope_cos_sin(c: DraftConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
