@@ -493,6 +493,11 @@ def plan_acceptances(a) -> dict:
     return out
 
 
+def cmd_toy(a):
+    from eagle3_ray.engine import toy
+    toy.main([a.family, a.directory])
+
+
 def plan_profile(a, name: str):
     """A node profile priced for the drafter layer `plan --draft-layer` names."""
     from eagle3_ray.plan import planner
@@ -702,8 +707,7 @@ def parser() -> argparse.ArgumentParser:
                    help="deepseek: Kimi-K2.5's text model in small (MLA + MoE); kimi: its "
                         "vision-language wrapper around one")
     y.add_argument("directory")
-    y.set_defaults(fn=lambda a: print(__import__("eagle3_ray.engine.toy", fromlist=["toy"])
-                                      .__dict__[a.family](a.directory)))
+    y.set_defaults(fn=cmd_toy)
     return p
 
 

@@ -134,20 +134,22 @@ DEEPSEEK_TYPES = ("deepseek_v3", "kimi_k2")
 CPU_MLA_COMPILATION = {"custom_ops": ["-rotary_embedding"]}
 
 
-def is_deepseek(model_dir: str) -> bool:
-    """Whether a verifier directory holds a DeepSeek-V3-shaped (MLA + MoE) text model, at the top
-    level or under a vision-language wrapper's text_config."""
-    return _text_config_json(model_dir).get("model_type") in DEEPSEEK_TYPES
-
-
-def _text_config_json(model_dir: str) -> dict:
+def _configs(model_dir: str) -> tuple[dict, dict]:
+    """A verifier directory's config.json and its text model's part of it (`text_config` of a
+    vision-language wrapper, else the same dict); ({}, {}) without one (a hub id, a URI)."""
     import json
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        return {}
+        return {}, {}
     with open(path) as f:
         raw = json.load(f)
-    return raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    return raw, raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+
+
+def is_deepseek(model_dir: str) -> bool:
+    """Whether a verifier directory holds a DeepSeek-V3-shaped (MLA + MoE) text model, at the top
+    level or under a vision-language wrapper's text_config."""
+    return _configs(model_dir)[1].get("model_type") in DEEPSEEK_TYPES
 
 
 def config_overrides(model_dir: str) -> dict:
@@ -156,22 +158,18 @@ def config_overrides(model_dir: str) -> dict:
     DeepSeek config whose rotary pairs are not interleaved (`rope_interleave: false`, a
     transformers-only variant): vLLM's MLA always rotates interleaved pairs (is_neox_style=False),
     so its hidden states would silently differ from transformers'."""
-    text = _text_config_json(model_dir)
+    raw, text = _configs(model_dir)
     if text.get("model_type") not in DEEPSEEK_TYPES:
         return {}
-    nested = text.get("model_type") != _model_type(model_dir)
     if text.get("rope_interleave") is False:
         raise ValueError(f"{model_dir}/config.json: rope_interleave is false, but vLLM's "
-                         "DeepSeek MLA rotates interleaved pairs (as DeepSeek-V3 and Kimi are trained): the engines "
-                         "would disagree; save the verifier with rope_interleave true")
+                         "DeepSeek MLA rotates interleaved pairs (as DeepSeek-V3 and Kimi are "
+                         "trained): the engines would disagree; save the verifier with "
+                         "rope_interleave true")
     missing = {k: v for k, v in DEEPSEEK_ROUTING.items() if k not in text}
-    return ({"text_config": missing} if nested else missing) if missing else {}
-
-
-def _model_type(model_dir: str) -> str | None:
-    import json
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f).get("model_type")
+    if not missing:
+        return {}
+    return {"text_config": missing} if text is not raw else missing
 
 
 def engine_kwargs(*, model: str | None = None, dtype: str | None = None, gpus: float = 0,
