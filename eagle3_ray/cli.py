@@ -96,7 +96,7 @@ def extract_config(a: argparse.Namespace):
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """Flags of TrainConfig (shared with jobs/train.py); defaults are TrainConfig's."""
-    from eagle3_ray.train.trainer import TrainConfig
+    from eagle3_ray.train.config import TrainConfig
     d = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     p.add_argument("--dataset", help="hidden-state dataset dir/URI (extract output), or several "
                    "joined by commas, read as one (e.g. original,regenerated); or --online")
@@ -114,11 +114,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "positions (P-EAGLE: 0.7; 1 = off)")
     p.add_argument("--cod-min", type=float, default=d["cod_min"],
                    help="COD floor: a deep step's share never drops below this (P-EAGLE: 0.2)")
-    p.add_argument("--drafting", choices=("chain", "parallel"), default=d["drafting"],
+    p.add_argument("--drafting", choices=("chain", "parallel", "block"), default=d["drafting"],
                    help="chain: EAGLE-3 (one drafter forward per draft); parallel: P-EAGLE "
-                        "(all drafts of a round from one forward, via mask slots)")
+                        "(all drafts of a round from one forward, via mask slots); block: "
+                        "DFlash (a block of --ttt-steps drafts from one forward of "
+                        "--block-layers layers, each conditioned on the aux states)")
     p.add_argument("--mask-token-id", type=int, default=d["mask_token_id"],
-                   help="parallel: the mask slots' token id (default: vocab size - 1)")
+                   help="parallel, block: the mask slots' token id (default: vocab size - 1)")
+    p.add_argument("--block-layers", type=int, default=d["block_layers"],
+                   help="block: the block drafter's decoder layers")
     p.add_argument("--draft-layer", choices=("llama", "mla"), default=d["draft_layer"],
                    help="the drafter's decoder layer: llama, or mla (DeepSeek MLA, vLLM's "
                         "Eagle3DeepseekV3ForCausalLM; MLA dims from a DeepSeek/Kimi verifier)")
@@ -175,7 +179,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 def train_config(a: argparse.Namespace):
     """The parsed flags -> TrainConfig (every flag but --address is a field)."""
-    from eagle3_ray.train.trainer import TrainConfig
+    from eagle3_ray.train.config import TrainConfig
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(a).items() if k in names})
 
@@ -301,8 +305,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "the drafter (required)")
     p.add_argument("--with-parallel", action="store_true", help="train: also time a parallel "
                    "(P-EAGLE) drafter at each ttt_steps >= 2, beside the chain")
+    p.add_argument("--with-block", action="store_true", help="train: also time a block (DFlash, "
+                   "2 layers) drafter whose block holds ttt_steps drafts, beside the chain")
     p.add_argument("--parallel-drafter", help="serve: a parallel (P-EAGLE) drafter dir: arms "
                    "parallel{d} at each depth, in the same interleaved run")
+    p.add_argument("--block-drafter", help="serve: a block (DFlash) drafter dir: arms "
+                   "block{d} at each depth up to its block size, in the same interleaved run")
     p.add_argument("--max-tokens", type=int, default=64, help="serve, engines: tokens per prompt")
     p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
                    "profile's all-reduce time in every verify (a SIMULATED interconnect)")
@@ -374,7 +382,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def cmd_bench(a):
     from eagle3_ray.bench import stages as bench
     if a.what == "train":  # pure PyTorch, no Ray
-        bench.bench_train(out_dir=a.out, parallel=a.with_parallel)
+        bench.bench_train(out_dir=a.out, parallel=a.with_parallel, block=a.with_block)
         return
     if a.what == "serve":  # the server's decoder in-process, no Ray
         from eagle3_ray.bench.serving import bench_serve
@@ -384,7 +392,7 @@ def cmd_bench(a):
                     num_gpus=a.gpus, branches=tuple(a.branches),
                     lookup_depths=tuple(a.lookup_depths),
                     lookup_branches=tuple(a.lookup_branches),
-                    parallel_drafter=a.parallel_drafter,
+                    parallel_drafter=a.parallel_drafter, block_drafter=a.block_drafter,
                     **({"depths": tuple(a.depths)} if a.depths else {}))
         return
     if a.what == "engines":  # builtin decoder in-process, vLLM in Ray actors (its own env)
@@ -438,7 +446,7 @@ def cmd_bench(a):
 def parse_fields(items: list[str]) -> dict:
     """["lr=1e-3", "init=random", "data=regen"] -> TrainConfig overrides, typed by the field's
     default ("data" names the dataset: orig or regen)."""
-    from eagle3_ray.train.trainer import TrainConfig
+    from eagle3_ray.train.config import TrainConfig
     kinds = {"int": int, "float": float, "bool": bool}           # annotations are strings here
     types = {f.name: kinds.get(str(f.type), str)
              for f in dataclasses.fields(TrainConfig)} | {"data": str}
@@ -454,13 +462,13 @@ def parse_fields(items: list[str]) -> dict:
 
 
 def cmd_profile(a):
-    from eagle3_ray.plan import planner
+    from eagle3_ray.plan import output, profiles
     from eagle3_ray.serve import profile
     prof = profile.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
                                    context=a.context, reps=a.reps, name=a.name,
                                    parallel_ks=a.parallel_k,
                                    draft_collectives=a.draft_collectives)
-    planner.save_profile(prof, a.out)
+    profiles.save_profile(prof, a.out)
     ms = prof.verify_ms
     print(f"[profile] verify {ms[1]:.2f} ms (1 token) .. {ms[max(ms)]:.2f} ms ({max(ms)} tokens), "
           f"draft step {prof.draft_step_ms:.2f} ms, {prof.gpus} GPU(s) -> {a.out}")
@@ -469,28 +477,53 @@ def cmd_profile(a):
             f"k={k} {v:.2f} ms" for k, v in prof.draft_parallel_ms.items())
             + f"; {prof.draft_collectives} collectives per drafter forward")
     if prof.interconnect.allreduce_us:
-        print(f"[profile] all-reduce {planner.allreduce_model(prof)}")
+        print(f"[profile] all-reduce {output.allreduce_model(prof)}")
+
+
+# plan's acceptance flags: (argparse dest, the kind a non-dir source is taken as, the flag)
+PLAN_KIND_FLAGS = (("acceptance", "chain", "--acceptance"),
+                   ("parallel_acceptance", "parallel", "--parallel-acceptance"),
+                   ("block_acceptance", "block", "--block-acceptance"))
 
 
 def plan_acceptances(a) -> dict:
-    """--acceptance / --parallel-acceptance -> {kind: (cond_acc, known, description)}. A drafter
-    or run dir says its own kind (draft_config.drafting; older ones are chains); any other
-    source is the kind of the flag that gave it."""
-    from eagle3_ray.plan import planner
-    out = {}
-    for src, flag_kind, flag in ((a.acceptance, "chain", "--acceptance"),
-                                 (a.parallel_acceptance, "parallel", "--parallel-acceptance")):
+    """--acceptance / --parallel-acceptance / --block-acceptance -> {kind: (cond_acc, known,
+    description)}. A drafter or run dir says its own kind (draft_config.drafting; older ones
+    are chains); any other source is the kind of the flag that gave it."""
+    from eagle3_ray.plan import acceptance
+    out, given = {}, {}
+    for dest, flag_kind, flag in PLAN_KIND_FLAGS:
+        src = getattr(a, dest)
         if not src:
             continue
-        kind = planner.drafting_of(src) or flag_kind
-        if flag == "--parallel-acceptance" and kind != "parallel":
-            raise ValueError(f"--parallel-acceptance {src}: a {kind} drafter (its draft_config "
-                             f"says drafting={kind!r}); pass it as --acceptance")
+        kind = acceptance.drafting_of(src) or flag_kind
+        if flag != "--acceptance" and kind != flag_kind:
+            other = next(f for _, k, f in PLAN_KIND_FLAGS if k == kind)
+            raise ValueError(f"{flag} {src}: a {kind} drafter (its draft_config says "
+                             f"drafting={kind!r}); pass it as {other}")
         if kind in out:
-            raise ValueError(f"two {kind} acceptance sources ({flag} {src} and the other flag): "
-                             f"give one chain and one parallel drafter")
-        out[kind] = planner.acceptance_from(src, a.ttt, kind)
+            raise ValueError(f"two {kind} acceptance sources ({given[kind]} and {flag} {src}): "
+                             f"give at most one drafter of each kind")
+        out[kind], given[kind] = acceptance.acceptance_from(src, a.ttt, kind), f"{flag} {src}"
     return out
+
+
+def plan_block(a) -> tuple[int, int]:
+    """The block drafter's (layers, block size): --block-layers, else what the block drafter
+    dir's draft_config says (block_layers), else cost.BLOCK_LAYERS; its block_size, else
+    cost.BLOCK_SIZE. A --block-layers that contradicts the dir is refused."""
+    from eagle3_ray.plan import acceptance, cost
+    src = next((getattr(a, dest, None) for dest, _, _ in PLAN_KIND_FLAGS
+                if getattr(a, dest, None) and acceptance.drafting_of(getattr(a, dest)) == "block"),
+               None)
+    layers = acceptance.draft_config_int(src, "block_layers") if src else None
+    size = acceptance.draft_config_int(src, "block_size") if src else None
+    if a.block_layers is not None and a.block_layers < 1:
+        raise ValueError(f"--block-layers must be >= 1, got {a.block_layers}")
+    if a.block_layers is not None and layers is not None and a.block_layers != layers:
+        raise ValueError(f"--block-layers {a.block_layers}: the block drafter {src} has "
+                         f"{layers} layers (its draft_config)")
+    return a.block_layers or layers or cost.BLOCK_LAYERS, size or cost.BLOCK_SIZE
 
 
 def cmd_toy(a):
@@ -500,50 +533,57 @@ def cmd_toy(a):
 
 def plan_profile(a, name: str):
     """A node profile priced for the drafter layer `plan --draft-layer` names."""
-    from eagle3_ray.plan import planner
-    return planner.with_draft_layer(planner.load_profile(name), a.draft_layer)
+    from eagle3_ray.plan import profiles
+    return profiles.with_draft_layer(profiles.load_profile(name), a.draft_layer)
 
 
 def cmd_plan(a):
-    import json
-    from eagle3_ray.plan import planner
-    if (a.sweep or a.sweep_kinds) and a.parallel_acceptance:
-        raise ValueError("--parallel-acceptance plans a measured drafter; --sweep and "
-                         "--sweep-kinds take acceptance levels instead")
+    from eagle3_ray.plan import acceptance, cost, output
+    measured = a.parallel_acceptance or a.block_acceptance
+    if (a.sweep or a.sweep_kinds) and measured:
+        raise ValueError("--parallel-acceptance and --block-acceptance plan a measured drafter; "
+                         "--sweep and --sweep-kinds take acceptance levels instead")
     if a.sweep:
         return plan_sweep(a)
     if a.sweep_kinds:
         return plan_sweep_kinds(a)
-    if not a.acceptance and not a.parallel_acceptance:
-        raise ValueError("plan needs --acceptance and/or --parallel-acceptance (or --sweep, "
-                         "--sweep-kinds)")
+    if not a.acceptance and not measured:
+        raise ValueError("plan needs --acceptance, --parallel-acceptance and/or "
+                         "--block-acceptance (or --sweep, --sweep-kinds)")
     sources = plan_acceptances(a)
-    costs = planner.train_costs_from(a.bench_train) if a.bench_train else None
+    layers, size = plan_block(a)
+    costs = acceptance.train_costs_from(a.bench_train) if a.bench_train else None
     profile = plan_profile(a, a.profile)
-    chosen = planner.choose_drafting(profile, sources, a.max_depth, costs)
+    chosen = cost.choose_drafting(profile, sources, a.max_depth, costs, layers, size)
     kind = chosen["choice"]
     result = chosen["plans"][kind]
     cond, known, desc = sources[kind]
-    other_kind = next((r for k, r in {**chosen["plans"], **chosen["what_if"]}.items()
-                       if k != kind), None)                 # the other kind, or its what-if
-    result["drafting_choice"] = {"choice": kind, "why": chosen["why"], "kinds": chosen["kinds"],
-                                 "what_if": {k: planner.kind_summary(v)
-                                             for k, v in chosen["what_if"].items()}}
-    result["other_kind"] = other_kind
+    others = [chosen["plans"][k] for k in chosen["ranking"][1:]] + list(
+        chosen["what_if"].values())                        # the other kinds, or the what-if
+    result["drafting_choice"] = {
+        "choice": kind, "why": chosen["why"], "kinds": chosen["kinds"],
+        "ranking": chosen["ranking"], "runner_up": chosen["runner_up"],
+        "decided_by": chosen["decided_by"],
+        "what_if": {k: output.kind_summary(v) for k, v in chosen["what_if"].items()}}
+    result["other_kind"] = others[0]
+    if len(others) > 1:
+        result["further_kinds"] = {r["drafting"]: r for r in others[1:]}
     result["draft_layer"] = profile.draft_layer
     other = None
     if a.compare:
-        other = planner.plan(cond, plan_profile(a, a.compare), a.max_depth, known, costs,
-                             drafting=kind)
+        other = cost.plan(cond, plan_profile(a, a.compare), result["max_depth"], known, costs,
+                          drafting=kind, block_layers=layers)
         result["compare"] = other
-        result["comparison"] = planner.compare_text(result, other)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "plan.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    planner.plot_plan(result, os.path.join(a.out, "plan.png"), other, other_kind)
+        result["comparison"] = output.compare_text(result, other)
+    output.write_plan(a.out, result, other, others)
     for k, (_, kn, d) in sources.items():
         print(f"[plan] {k} acceptance: {d}; measured positions 0..{kn - 1}")
-    print(planner.format_table(result, other))
+    if "block" in chosen["plans"] or "block" in chosen["what_if"]:
+        b = {**chosen["plans"], **chosen["what_if"]}["block"]["block"]
+        print(f"[plan] block drafter: {b['layers']} layers, {b['collectives_per_forward']} "
+              f"collectives a forward of depth+1 tokens, at most {size} drafts a round; "
+              f"forward time: {b['forward_ms']}")
+    print(output.format_table(result, other))
     for r in [result] + ([other] if other else []):
         print(f"[plan] {r['profile']}: best depth {r['best_depth']} "
               f"(x{r['best']['speedup']:.2f}, {r['best']['tokens_per_s']:.1f} tok/s); "
@@ -560,40 +600,39 @@ def cmd_plan(a):
 
 
 def plan_sweep_kinds(a):
-    """plan --sweep-kinds: chain against parallel drafting per acceptance level, with the
-    drafter's collectives on and off, on --profile (and --compare)."""
-    import json
-    from eagle3_ray.plan import planner
+    """plan --sweep-kinds: chain, parallel and block drafting per acceptance level, with the
+    drafters' collectives on and off, on --profile (and --compare)."""
+    from eagle3_ray.plan import acceptance, cost, output
     profiles = [plan_profile(a, a.profile)]
     if a.compare:
         profiles.append(plan_profile(a, a.compare))
-    first, rest = a.parallel_ratios or (planner.PARALLEL_FIRST_RATIO,
-                                        planner.PARALLEL_REST_RATIO)
-    result = planner.sweep_drafting(a.sweep_kinds, profiles, a.max_depth, first, rest)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sweep_kinds.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    pa = result["parallel_acceptance"]
-    print(f"[plan] parallel acceptance: {pa['rule']}, first = {pa['first_ratio']:.3f}, "
-          f"rest = {pa['rest_ratio']:.3f}")
-    print(planner.format_sweep_drafting(result))
+    first, rest = a.parallel_ratios or (acceptance.PARALLEL_FIRST_RATIO,
+                                        acceptance.PARALLEL_REST_RATIO)
+    bfirst, brest = a.block_ratios or (acceptance.BLOCK_FIRST_RATIO, acceptance.BLOCK_REST_RATIO)
+    result = cost.sweep_drafting(a.sweep_kinds, profiles, a.max_depth, first, rest, bfirst,
+                                 brest, *plan_block(a))
+    output.write_json(a.out, "sweep_kinds.json", result)
+    for kind in ("parallel", "block"):
+        r = result[f"{kind}_acceptance"]
+        print(f"[plan] {kind} acceptance: {r['rule']}, first = {r['first_ratio']:.3f}, "
+              f"rest = {r['rest_ratio']:.3f} ({r['source']})")
+    print(f"[plan] block drafter: {result['block_layers']} layers, at most "
+          f"{result['block_size']} drafts a round")
+    print(output.format_sweep_drafting(result))
     print(f"[plan] -> {a.out}/sweep_kinds.json")
 
 
 def plan_sweep(a):
     """plan --sweep: best depth per constant acceptance level on --profile (and --compare)."""
-    import json
-    from eagle3_ray.plan import planner
+    from eagle3_ray.plan import cost, output
     profiles = [plan_profile(a, a.profile)]
     if a.compare:
         profiles.append(plan_profile(a, a.compare))
-    result = planner.sweep(a.sweep, profiles, a.max_depth)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "sweep.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    result = cost.sweep(a.sweep, profiles, a.max_depth)
+    output.write_json(a.out, "sweep.json", result)
     for name, how in result["allreduce_model"].items():
         print(f"[plan] {name}: all-reduce {how}")
-    print(planner.format_sweep(result))
+    print(output.format_sweep(result))
     for name, ws in result["warnings"].items():
         for w in ws:
             print(f"[plan] warning: {name}: {w}")
@@ -672,26 +711,37 @@ def parser() -> argparse.ArgumentParser:
                         "4 with several: the drafter at the verifier's tensor-parallel degree)")
     f.set_defaults(fn=cmd_profile)
 
-    n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node, chain or "
-                                    "parallel drafting (JSON + PNG)")
+    n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node, chain, "
+                                    "parallel or block drafting (JSON + PNG)")
     src = n.add_mutually_exclusive_group()
     src.add_argument("--acceptance",
                      help="training run dir, bench quality/serve JSON, http(s) URL of a server, "
                           "or a list like 0.8,0.75,0.7: a chain drafter's acceptance (a drafter "
-                          "dir whose draft_config says drafting=parallel: a parallel one's)")
+                          "dir whose draft_config says drafting=parallel or block: that kind's)")
     src.add_argument("--sweep", type=float, nargs="+", metavar="A",
                      help="instead: best depth for each constant acceptance level A on "
                           "--profile (and --compare) -> a table + sweep.json")
     src.add_argument("--sweep-kinds", type=float, nargs="+", metavar="A",
-                     help="instead: chain (a at every position) against parallel drafting "
-                          "(--parallel-ratios of it) for each level A, the drafter's "
-                          "collectives on and off -> a table + sweep_kinds.json")
+                     help="instead: chain (a at every position) against parallel "
+                          "(--parallel-ratios of it) and block drafting (--block-ratios of it) "
+                          "for each level A, the drafters' collectives on and off -> a table + "
+                          "sweep_kinds.json")
     n.add_argument("--parallel-acceptance",
                    help="a parallel (P-EAGLE) drafter's acceptance, the same forms as "
-                        "--acceptance: plan chooses chain or parallel")
+                        "--acceptance: plan chooses among the kinds given")
+    n.add_argument("--block-acceptance",
+                   help="a block (DFlash) drafter's acceptance, the same forms as --acceptance "
+                        "(a bench serve JSON: its block{d} arms): plan chooses among the kinds "
+                        "given")
+    n.add_argument("--block-layers", type=int, metavar="N",
+                   help="the block drafter's decoder layers: its forward and its 2 + 2N "
+                        "collectives at TP (default: its draft_config's, else 2)")
     n.add_argument("--parallel-ratios", type=float, nargs=2, metavar=("FIRST", "REST"),
                    help="--sweep-kinds: parallel a_0 = FIRST x chain a_0, a_j = REST x chain "
                         "a_j (default 63/71, (38/63)/(49/71): vLLM PR #32628's P0/P1)")
+    n.add_argument("--block-ratios", type=float, nargs=2, metavar=("FIRST", "REST"),
+                   help="--sweep-kinds: block a_0 = FIRST x chain a_0, a_j = REST x chain a_j "
+                        "(default 1.0 1.084: ASSUMED, see plan/acceptance.py)")
     n.add_argument("--profile", required=True, help="packaged profile name or YAML path")
     n.add_argument("--compare", help="a second profile, planned alongside")
     n.add_argument("--draft-layer", choices=("llama", "mla"), help="price this drafter decoder "

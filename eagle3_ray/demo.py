@@ -151,7 +151,8 @@ def train_budget_minutes(cfg: DemoConfig, plan: dict, elapsed_s: float) -> float
 def run_demo(cfg: DemoConfig) -> dict:
     from eagle3_ray.data import schema
     from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
-    from eagle3_ray.train.trainer import TrainConfig, run_train
+    from eagle3_ray.train.config import TrainConfig
+    from eagle3_ray.train.trainer import run_train
     if cfg.fresh and os.path.isdir(cfg.run_dir):
         shutil.rmtree(cfg.run_dir)
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
                   target: the suite serves the MLA layer there) and `bench engines` serves it
                   in both engines (bench_engines_deepseek)
 Without CUDA it says so, runs the same steps at tiny sizes on the CPU (2 gloo workers,
-depths 0-2; bench_engines_vllm and step 7 are printed, not run: CPU_SKIPPED) plus the all-reduce curve with
+depths 0-2; the vLLM steps are printed, not run: CPU_SKIPPED) plus the all-reduce curve with
 gloo between 2 processes (the code path of the NCCL one), and exits 0 when they pass (1 when a
 step fails). Writes --out (runs/gpu_check.json): the machine, and per step its command,
 status, wall time and figures; the step outputs stay under --work (runs/gpu_check/).
@@ -54,6 +54,9 @@ SIZES = {
 CPU_SKIPPED = {"bench_engines_vllm": (
     "skipped on the CPU path: 48 s for 1 prompt x 6 tokens on 2 cores (2026-12-07), 27 s of it "
     "starting vLLM's CPU engines; run the command above to check it here"),
+    "extract_vllm": (
+    "skipped on the CPU path: the suite extracts through vLLM's CPU build and compares it with "
+    "the HF engine (tests/extract/test_extract_vllm.py); run the command above to check it here"),
     **{n: "skipped on the CPU path: the suite runs the DeepSeek-shaped verifier through vLLM's "
           "CPU build (tests/extract/test_extract_vllm.py); run the command above to check it here"
        for n in ("toy_deepseek", "extract_vllm_deepseek", "train_deepseek",

@@ -163,11 +163,12 @@ def _train_tiny_drafter(spec: str, out: str, prompts: list[list[int]], steps: in
     """A drafter trained in-process for `steps` TTT steps (unroll `depth`, hard targets) on the
     verifier's own greedy continuations of `prompts` (so its drafts get accepted when serving
     them), its draft vocab the `draft_vocab` most frequent tokens there, saved as a real
-    checkpoint; `config`: DraftConfig fields (draft layer "mla", fc_norm, ...). Run it with few
-    torch threads: it is small."""
+    checkpoint; `config`: DraftConfig fields (draft layer "mla", fc_norm, ...). drafting
+    "block": a block.BlockDrafter trained with block.block_loss (blocks of config's block_size
+    anchored at every position; `depth` unused). Run it with few torch threads: it is small."""
     import numpy as np
     from eagle3_ray.engine import hf as verifier
-    from eagle3_ray.train import checkpoint, draft, ttt, vocab
+    from eagle3_ray.train import checkpoint, draft, kinds, vocab
     model = verifier.load_verifier(spec, dtype=torch.float32)
     with torch.no_grad():
         seqs = [model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
@@ -183,14 +184,15 @@ def _train_tiny_drafter(spec: str, out: str, prompts: list[list[int]], steps: in
                          minlength=model.config.vocab_size)
     c = draft.DraftConfig.from_verifier_config(model.config, draft_vocab, layer_ids,
                                                drafting=drafting, **config)
-    drafter, teacher = draft.build_drafter(spec, c, *vocab.build_mapping(counts, draft_vocab),
-                                           teacher_check=False)
+    drafter, teacher = kinds.build(spec, c, *vocab.build_mapping(counts, draft_vocab),
+                                   teacher_check=False, init="random")
     batch = {"input_ids": ids, "attention_mask": att, "loss_mask": att,   # out of inference mode
              "aux_hidden_states": aux.flatten(2).clone(), "last_hidden_states": last.clone(),
              "target_ids": greedy.clone()}
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(steps):
-        loss, metrics = ttt.ttt_loss(drafter, teacher, batch, depth, targets="hard")
+        loss, metrics = kinds.loss(drafter, teacher, batch, depth, targets="hard",
+                                   deep_fraction=1.0)
         opt.zero_grad()
         loss.backward()
         opt.step()

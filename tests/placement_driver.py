@@ -19,7 +19,7 @@ from ray.util.state import list_actors  # noqa: E402
 from eagle3_ray.serve import app as serve  # noqa: E402
 from eagle3_ray.train import online
 from eagle3_ray.extract.pipeline import ExtractConfig, run_extract  # noqa: E402
-from eagle3_ray.train.trainer import TrainConfig  # noqa: E402
+from eagle3_ray.train.config import TrainConfig  # noqa: E402
 
 
 def free_port() -> int:

@@ -45,6 +45,7 @@ def test_bench_datasets_past_the_first_slice_leave_the_held_out_prompts_out(
     from eagle3_ray.bench import quality
     from eagle3_ray.data import conversations as data
     from eagle3_ray.train import trainer as train
+    from eagle3_ray.train.config import TrainConfig
     monkeypatch.setattr(data, "HELDOUT_FIRST", 2)
     monkeypatch.setattr(data, "HELDOUT_END", 4)
     path, m = quality.dataset(str(tmp_path), "orig", 3, 160)
@@ -54,8 +55,8 @@ def test_bench_datasets_past_the_first_slice_leave_the_held_out_prompts_out(
            for r in pq.read_table(part["uri"], columns=["sample_id"]).to_pylist()}
     assert got <= {ids[0], ids[1], ids[4]} and ids[4] in got        # not 2 and 3
     assert m["summary"]["samples"] == len(got) and m["summary"]["skipped"]["offset"] == 4
-    assert train.prepare(train.TrainConfig(dataset=path, output=str(tmp_path / "run"),
-                                           draft_vocab_size=512))["manifest"]["files"]
+    assert train.prepare(TrainConfig(dataset=path, output=str(tmp_path / "run"),
+                                     draft_vocab_size=512))["manifest"]["files"]
 
 
 def test_bf16_verifier_made_batch_invariant_on_real_shapes(one_thread):

@@ -19,7 +19,8 @@ PKG_DIR = os.path.dirname(os.path.abspath(eagle3_ray.__file__))
 ORDER = ["__init__", "data", "engine", "launch", "extract", "train", "plan", "serve", "bench",
          "demo", "cli", "gpu_check"]
 PURE = ["data.conversations", "data.schema", "engine.hf", "train.draft", "train.ttt",
-        "train.vocab", "train.checkpoint", "plan.planner", "serve.kernels", "serve.speculate"]
+        "train.vocab", "train.checkpoint", "train.config", "train.kinds", "plan.planner",
+        "serve.kernels", "serve.speculate"]
 
 
 def modules() -> set[str]:

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle3_ray.data import schema
 from eagle3_ray.engine import hf as verifier
-from eagle3_ray.train import checkpoint, draft
+from eagle3_ray.train import checkpoint, kinds
 from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter
 from eagle3_ray.extract.pipeline import ExtractConfig, dataset_facts
 from eagle3_ray.serve.speculate import Speculator
@@ -42,7 +42,8 @@ def test_extraction_sorts_the_ids_and_refuses_layer_zero(tiny_verifier, tiny_tok
 
 
 def test_training_refuses_a_dataset_extracted_in_another_order(tiny_verifier, tmp_path):
-    from eagle3_ray.train.trainer import TrainConfig, prepare
+    from eagle3_ray.train.config import TrainConfig
+    from eagle3_ray.train.trainer import prepare
     tok = verifier.load_tokenizer(tiny_verifier)
     config = AutoConfig.from_pretrained(tiny_verifier)
     facts = verifier.verifier_facts(tiny_verifier, config, tok, [1, 3, 5])
@@ -60,7 +61,7 @@ def test_training_refuses_a_dataset_extracted_in_another_order(tiny_verifier, tm
 
 def _old_drafter(tiny_verifier, directory, ids) -> str:
     """A drafter checkpoint as saved before the rule (config.json rewritten to the same size)."""
-    drafter, _ = draft.untrained_drafter(tiny_verifier, draft_vocab_size=2000)   # ids [2, 4, 5]
+    drafter, _ = kinds.untrained_drafter(tiny_verifier, draft_vocab_size=2000)   # ids [2, 4, 5]
     state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
     d = checkpoint.save_drafter(directory, state, drafter.config, {"ttt_steps": 2})
     path = os.path.join(d, checkpoint.CONFIG)

@@ -5,7 +5,8 @@ held-out prompts (bench serve's, data.heldout_prompts), greedy, batch 1, in two 
            in this process, at depth 0 and each depth;
   vllm     vllm.LLM with speculative_config {"method": "eagle3", "model": <the drafter's vLLM
            export>, "num_speculative_tokens": d} (+ "parallel_drafting": true where the export
-           is a P-EAGLE drafter: serve.vllm.eagle3_speculative_config), one engine per depth
+           is a P-EAGLE drafter; method "dflash" for a block, DFlash, drafter:
+           serve.vllm.eagle3_speculative_config), one engine per depth
            (and depth 0 without speculation), each held by a Ray actor in vLLM's environment
            (engine.vllm.runtime_env); per-position acceptance from vLLM's spec-decode counters.
 
@@ -212,7 +213,8 @@ def teacher_forced(meta: dict) -> dict:
 
 def arm_specs(export: str, depths) -> dict:
     """{depth: the speculative_config of the vLLM arm at that depth (None at depth 0)}: eagle3
-    with the drafter's export, parallel drafting where the export is a P-EAGLE drafter."""
+    with the drafter's export, parallel drafting where the export is a P-EAGLE drafter, method
+    dflash where it is a block (DFlash) drafter."""
     from eagle3_ray.serve.vllm import eagle3_speculative_config
     return {d: eagle3_speculative_config(export, d) if d else None for d in depths}
 

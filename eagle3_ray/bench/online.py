@@ -22,7 +22,8 @@ from eagle3_ray.bench import quality, stages as bench
 from eagle3_ray.data import schema
 from eagle3_ray.train import online, trainer as train
 from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
-from eagle3_ray.train.trainer import TrainConfig
+from eagle3_ray.train.config import TrainConfig
+from eagle3_ray.train.feed import is_eval
 
 ARMS = ("offline", "online", "online_cache")
 EVAL_DEPTH = 8
@@ -54,7 +55,7 @@ def bench_online(samples: int = 160, max_length: int = 512, steps: int = 0,
     manifest = run_extract(ExtractConfig(**{**ecfg.__dict__, "output": offline_data,
                                             "cpus_per_replica": 1.0}))
     extract_s = time.perf_counter() - t0
-    held_out = sum(train.is_eval(f, 0.05) for f in _ids(offline_data))
+    held_out = sum(is_eval(f, 0.05) for f in _ids(offline_data))
     steps = steps or math.ceil((manifest["summary"]["samples"] - held_out) / 4)  # one epoch
     runs = {"offline": lambda out: train.run_train(TrainConfig(
                 dataset=offline_data, output=out, max_steps=steps, **common)),

@@ -147,7 +147,8 @@ def _curve(run_dir: str) -> list[dict]:
 def train_arm(name: str, data_dir: str, run_dir: str, overrides: dict, minutes: float,
               steps: int, max_length: int, eval_every: int, served: dict) -> dict:
     """Train (or resume) one arm's drafter, then evaluate it teacher-forced and served."""
-    from eagle3_ray.train.trainer import TrainConfig, evaluate_drafter, run_train
+    from eagle3_ray.train.config import TrainConfig
+    from eagle3_ray.train.trainer import evaluate_drafter, run_train
     cfg = dict(dataset=data_dir, output=run_dir, max_steps=steps or 1_000_000,
                max_minutes=minutes if not steps else 0, max_seq_len=max_length,
                eval_every=eval_every, log_every=25, checkpoint_every=200, eval_fraction=0.05,

@@ -10,7 +10,6 @@ without training) are arms of the same interleaved run (hf_generate; --no-peers 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -99,7 +98,7 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
                 prompt_lookup=SERVE_PROMPT_LOOKUP, num_gpus: int = 0,
                 branches=SERVE_BRANCHES, lookup_depths=SERVE_LOOKUP_DEPTHS,
                 lookup_branches=SERVE_LOOKUP_BRANCHES,
-                parallel_drafter: str | None = None) -> dict:
+                parallel_drafter: str | None = None, block_drafter: str | None = None) -> dict:
     """Greedy tokens/s and acceptance length per depth, speedup over depth 0, whether every
     depth's output equals depth 0's, and the planner's prediction for each depth next to the
     measurement: this machine's verify/draft times are measured first (profile.
@@ -123,11 +122,14 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     parallel_drafter: a parallel (P-EAGLE) drafter's dir: arms "parallel{d}" for each fixed
     depth d > 0, the same verifier drafting with it (one drafter forward per round), in the
     same interleaved run; its teacher-forced acceptance goes beside the served one.
+    block_drafter: a block (DFlash) drafter's dir: arms "block{d}" the same way (one forward of
+    d + 1 slots per round, at most its block size).
     Writes <out_dir>/serve.json + serve.png (serve-sim-<profile>.* when simulating)."""
     import functools
     from eagle3_ray.plan import planner
     from eagle3_ray.serve import speculate
-    from eagle3_ray.serve.profile import measure_draft_parallel, measure_speculator
+    from eagle3_ray.serve.profile import (measure_draft_parallel, measure_speculator,
+                                          with_round_forward)
     from eagle3_ray.train.checkpoint import load_trained_drafter
     if threads:
         torch.set_num_threads(threads)
@@ -140,15 +142,12 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     tok, model = verifier.load_tokenizer(spec), verifier.load_verifier(spec, num_gpus=num_gpus)
     drafter, _, meta = load_trained_drafter(drafter_dir, spec)
     dec = speculate.Speculator(model, drafter.eval())    # patches `model` (batch invariance)
-    par, parallels, pmeta = None, {}, {}                 # parallels: arm name -> depth
-    if parallel_drafter:
-        pdrafter, _, pmeta = load_trained_drafter(parallel_drafter, spec)
-        if not pdrafter.config.parallel:
-            raise ValueError(f"{parallel_drafter}: drafting {pdrafter.config.drafting!r}, not "
-                             "a parallel drafter (train one with --drafting parallel)")
-        par = dec.with_drafter(pdrafter.eval())
-        parallels = {f"parallel{d}": d for d in depths if d > 0}
-    decoders = {name: par for name in parallels}         # arms another decoder runs
+    # the one-forward kinds: kind -> (its decoder, its meta, {arm name: depth})
+    others = {kind: _other_drafter(dec, d, kind, spec, depths, load_trained_drafter)
+              for kind, d in (("parallel", parallel_drafter), ("block", block_drafter)) if d}
+    kind_arms = {name: (kind, depth) for kind, (_, _, arms) in others.items()
+                 for name, depth in arms.items()}        # arm name -> (kind, depth)
+    decoders = {name: others[kind][0] for name, (kind, _) in kind_arms.items()}
     max_depth = max(depths)
     # the peers run on their own copy: transformers as a user has it (its default attention)
     hf = verifier.load_verifier(spec, dtype=model.dtype, num_gpus=num_gpus) if peers else None
@@ -156,8 +155,8 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     peer_ks.update({f"prompt_lookup_{k}": int(k) for k in (prompt_lookup if peers else ())})
     node = planner.load_profile(simulate) if simulate else None
     before = measure_speculator(dec, max_depth + 1, reps=7)
-    ks = sorted(parallels.values())                       # a parallel round's one forward
-    par_ms = [measure_draft_parallel(par.drafter, ks, reps=7)] if par else []
+    kinds_ms = {kind: [measure_draft_parallel(o[0].drafter, sorted(o[2].values()), reps=7)]
+                for kind, o in others.items()}           # a round's one forward, by depth
     profile = _measured_profile(model, node, before)      # what dynamic depth plans with
     if node:
         dec.simulated_comm = functools.partial(planner.comm_s, node)
@@ -166,33 +165,35 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     ps = data.heldout_prompts(tok, prompts)
     plans, trees, lookups, refused = _serve_arms(dec, depths, dynamic, branches, lookup_depths,
                                                  lookup_branches)
-    plans.update({name: (d, 1, None) for name, d in parallels.items()})
+    plans.update({name: (d, 1, None) for name, (_, d) in kind_arms.items()})
     runs, peer_runs, calib = _interleave(
         dec, hf, ps, sp, plans, peer_ks,
         functools.partial(planner.DynamicDepth, profile, prior, max_depth), decoders)
     # the machine drifts over minutes (shared, turbo): predict with times measured before and
     # after the runs, averaged
     after = measure_speculator(dec, max_depth + 1, reps=7)
-    if par:
-        par_ms.append(measure_draft_parallel(par.drafter, ks, reps=7))
+    for kind, o in others.items():
+        kinds_ms[kind].append(measure_draft_parallel(o[0].drafter, sorted(o[2].values()), reps=7))
     result = {"bench": "serve", "verifier": spec, "drafter": drafter_dir,
               "drafter_ttt_steps": meta.get("ttt_steps"), "prompts": len(ps),
               "max_tokens": max_tokens, "torch_threads": torch.get_num_threads(),
               "dtype": str(model.dtype).replace("torch.", ""),
               "few_row_kernels": {str(k): v for k, v in dec.few_row_kernels.items()},
               "exact": dec.exact, "refused_arms": refused, "simulated_interconnect": simulate}
-    if parallel_drafter:
-        result.update(parallel_drafter=parallel_drafter,
-                      parallel_drafter_ttt_steps=pmeta.get("ttt_steps"),
-                      teacher_forced={"chain": prior, "parallel": planner.acceptance_from(
-                          parallel_drafter)[0]})
+    if others:
+        result["teacher_forced"] = {"chain": prior}
+    for kind, path in (("parallel", parallel_drafter), ("block", block_drafter)):
+        if path:
+            result.update({f"{kind}_drafter": path,
+                           f"{kind}_drafter_ttt_steps": others[kind][1].get("ttt_steps")})
+            result["teacher_forced"][kind] = planner.acceptance_from(path)[0]
     measured = _measured_profile(model, node, before, after)
-    if par_ms:     # its k-token forward, measured before and after the runs, averaged
-        measured = dataclasses.replace(measured, draft_parallel_ms={
-            k: sum(m[k] for m in par_ms) / len(par_ms) for k in ks})
+    for kind, ms in kinds_ms.items():  # each kind's round forward, before and after, averaged
+        measured = with_round_forward(measured, others[kind][0].drafter,
+                                      {k: sum(m[k] for m in ms) / len(ms) for k in ms[0]})
     result.update(_serve_summary(runs, depths, trees, lookups, len(ps), calib, simulate,
-                                 measured, after[0][1] / before[0][1] - 1, parallels))
-    _compare_arms(result, trees, lookups, dynamic, parallels)
+                                 measured, after[0][1] / before[0][1] - 1, kind_arms))
+    _compare_arms(result, trees, lookups, dynamic, kind_arms)
     if peers:
         result["peers"] = _peer_rows(peer_runs, peer_ks, result["runs"][str(depths[0])],
                                      runs[depths[0]]["outputs"], len(ps))
@@ -200,6 +201,18 @@ def bench_serve(drafter_dir: str | None = None, depths=SERVE_DEPTHS, prompts: in
     save_result(out_dir, f"serve-sim-{node.name}" if node else "serve", result, _plot_serve)
     _print_serve(result)
     return result
+
+
+def _other_drafter(dec, path: str, kind: str, spec: str, depths, load):
+    """bench serve's drafter of a one-forward kind -> (a decoder of dec's verifier drafting
+    with it, its meta, {arm name "<kind>{d}": depth d} for the depths > 0 it can draft)."""
+    drafter, _, meta = load(path, spec)
+    if drafter.config.drafting != kind:
+        raise ValueError(f"{path}: drafting {drafter.config.drafting!r}, not a {kind} drafter "
+                         f"(train one with --drafting {kind})")
+    top = drafter.config.block_size if kind == "block" else max(depths)
+    return dec.with_drafter(drafter.eval()), meta, {f"{kind}{d}": d for d in depths
+                                                    if 0 < d <= top}
 
 
 def _measured_profile(model, node, *timings):
@@ -316,7 +329,7 @@ def _served_cond(arms: list[dict], positions: int) -> list[float]:
 
 
 def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int, calib: list,
-                   simulate: str | None, profile, drift: float, parallels: dict) -> dict:
+                   simulate: str | None, profile, drift: float, kind_arms: dict) -> dict:
     """serve.json from "runs" to "note": each arm's row, and the planner's prediction from the
     acceptance counted here and `profile` against the fixed depths' measurements."""
     from eagle3_ray.plan import planner
@@ -324,12 +337,14 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
     # acceptance per position over all fixed-depth runs (greedy: it does not depend on depth)
     cond = _served_cond([runs[d] for d in depths], max_depth)
     pred = planner.plan(cond, profile, max_depth=max_depth)
-    preds = {"chain": pred}
-    if parallels:     # the parallel drafter's own acceptance and its one-forward rounds
-        cond_par = _served_cond([runs[name] for name in parallels], max_depth)
-        preds["parallel"] = planner.plan(cond_par, profile, max_depth=max_depth,
-                                         drafting="parallel")
-    rows = {str(d): _arm_row(d, s, runs[depths[0]], prompts, trees, lookups, preds, parallels)
+    preds, conds = {"chain": pred}, {}
+    for kind in sorted({k for k, _ in kind_arms.values()}):   # each one-forward kind's own
+        arms = [name for name, (k, _) in kind_arms.items() if k == kind]  # acceptance, rounds
+        conds[kind] = _served_cond([runs[name] for name in arms], max(
+            kind_arms[name][1] for name in arms))
+        preds[kind] = planner.plan(conds[kind], profile, max_depth=len(conds[kind]),
+                                   drafting=kind, block_layers=profile.draft_block_layers or 2)
+    rows = {str(d): _arm_row(d, s, runs[depths[0]], prompts, trees, lookups, preds, kind_arms)
             for d, s in runs.items()}
     measured = sorted(depths, key=lambda d: -rows[str(d)]["decode_tokens_per_s"])
     chosen = max(depths, key=lambda d: pred["depths"][d]["tokens_per_s"])   # among those run
@@ -344,10 +359,10 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
                         "cond_acc": cond, "profile": planner.profile_to_dict(profile),
                         "verify_1_token_drift": drift,
                         "why": pred["why"],
-                        **({"parallel": {
-                            "cond_acc": cond_par, "why": preds["parallel"]["why"],
-                            "max_abs_error": max(abs(rows[n]["predicted_error"])
-                                                 for n in parallels)}} if parallels else {})},
+                        **{kind: {"cond_acc": conds[kind], "why": preds[kind]["why"],
+                                  "max_abs_error": max(abs(rows[n]["predicted_error"])
+                                                       for n, (k, _) in kind_arms.items()
+                                                       if k == kind)} for kind in conds}},
             "note": "greedy; one process, the server's decoder (speculate.Speculator) without "
                     "HTTP; depths interleaved per prompt; speedup = tokens/s over depth 0's "
                     "in the same run; acceptance_length = tokens per verify round; "
@@ -358,7 +373,7 @@ def _serve_summary(runs: dict, depths, trees: dict, lookups: dict, prompts: int,
 
 
 def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
-             preds: dict, parallels: dict) -> dict:
+             preds: dict, kind_arms: dict) -> dict:
     """serve.json "runs"[d]: arm d's totals against depth 0's (`base`), and at a fixed depth the
     planner's prediction (preds: planner.plan results by drafting kind)."""
     decode = (s["tokens"] - prompts) / (s["wall_s"] - s["prefill_s"])  # tokens after the first
@@ -381,18 +396,18 @@ def _arm_row(d, s: dict, base: dict, prompts: int, trees: dict, lookups: dict,
     elif d in lookups:
         row.update(lookup_rounds=s["lookup_rounds"], lookup_depth=lookups[d])
     elif d != "dynamic":
-        kind, depth = ("parallel", parallels[d]) if d in parallels else ("chain", d)
+        kind, depth = kind_arms.get(d, ("chain", d))
         p = preds[kind]["depths"][depth]
         row.update(predicted_tokens_per_s=p["tokens_per_s"],
                    predicted_acceptance_length=p["accept_len"],
                    predicted_error=p["tokens_per_s"] / decode - 1)
-        if kind == "parallel":
-            row.update(parallel_depth=depth)
+        if kind != "chain":
+            row.update({"drafting": kind, f"{kind}_depth": depth})
     return row
 
 
 def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool,
-                  parallels: dict) -> None:
+                  kind_arms: dict) -> None:
     """The best tree and lookup arms and their notes; with the dynamic arms, each one's decode
     tokens/s over the best fixed depth's (trees, lookups: the arms that ran)."""
     from eagle3_ray.serve import speculate
@@ -409,8 +424,17 @@ def _compare_arms(result: dict, trees: dict, lookups: dict, dynamic: bool,
                        f"rounds that verified the lookup's drafts",
              "parallel": "parallel{d}: the parallel (P-EAGLE) drafter of --parallel-drafter at "
                          "depth d, its d drafts from one drafter forward per round (the depth "
-                         "arms' drafter drafts a chain: d forwards)"}
-    for kind, arms in (("tree", trees), ("lookup", lookups), ("parallel", parallels)):
+                         "arms' drafter drafts a chain: d forwards)",
+             "block": "block{d}: the block (DFlash) drafter of --block-drafter at depth d, its d "
+                      "drafts from one forward of its layers over the bonus token and d mask "
+                      "slots per round"}
+    for kind in ("parallel", "block"):
+        arms = [n for n, (k, _) in kind_arms.items() if k == kind]
+        if arms:
+            top = max(arms, key=lambda d: rows[d]["decode_tokens_per_s"])
+            result.update({f"best_{kind}": top, f"best_{kind}_speedup": rows[top]["speedup"],
+                           f"{kind}_note": notes[kind]})
+    for kind, arms in (("tree", trees), ("lookup", lookups)):
         if arms:
             top = max(arms, key=lambda d: rows[d]["decode_tokens_per_s"])
             result.update({f"best_{kind}": top, f"best_{kind}_speedup": rows[top]["speedup"],
@@ -525,12 +549,13 @@ def _plot_serve(result: dict, path: str) -> None:
                 label=f"{name} (tree, measured)")
         a2.plot([d for d, _ in pts], [r["acceptance_length"] for _, r in pts], **style,
                 label=f"{name} (tree)")
-    par = sorted((r for r in result["runs"].values() if "parallel_depth" in r),
-                 key=lambda r: r["parallel_depth"])
-    if par:
-        _arm_lines(a1, a2, par, "parallel_depth", "D-", "#d6a", "parallel drafter")
-        a1.plot([r["parallel_depth"] for r in par], [r["predicted_tokens_per_s"] for r in par],
-                "d:", color="#d6a", label="parallel drafter (predicted)")
+    for kind, color in (("parallel", "#d6a"), ("block", "#e80")):
+        key = f"{kind}_depth"
+        arms = sorted((r for r in result["runs"].values() if key in r), key=lambda r: r[key])
+        if arms:
+            _arm_lines(a1, a2, arms, key, "D-", color, f"{kind} drafter")
+            a1.plot([r[key] for r in arms], [r["predicted_tokens_per_s"] for r in arms],
+                    "d:", color=color, label=f"{kind} drafter (predicted)")
     look = sorted((r for r in result["runs"].values() if isinstance(r.get("lookup_depth"), int)),
                   key=lambda r: r["lookup_depth"])
     if look:

@@ -247,16 +247,18 @@ def synthetic_loss_mask(seq: int, generator: torch.Generator) -> torch.Tensor:
 
 def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmup: int,
                        seed: int, deep_fraction: float = 1.0, drafting: str = "chain") -> dict:
-    """Runs in a fresh (spawned) process: build, then time `warmup + steps` optimizer steps."""
+    """Runs in a fresh (spawned) process: build, then time `warmup + steps` optimizer steps of
+    the kind's model and loss (train.kinds; a block drafter: a block of ttt_steps drafts,
+    anchored at a deep_fraction share of the positions)."""
     import resource
     import statistics
-    from eagle3_ray.train import ttt
-    from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter, Teacher
+    from eagle3_ray.train import kinds
+    from eagle3_ray.train.draft import DraftConfig, Teacher
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    c = DraftConfig(**shapes, drafting=drafting)
+    c = DraftConfig(**shapes, drafting=drafting, block_size=ttt_steps)
     h, v, vd, s = c.hidden_size, c.vocab_size, c.draft_vocab_size, seq
-    drafter = Eagle3Drafter(c)
+    drafter = kinds.model_class(c)(c)
     head = torch.randn(v, h, generator=g) * 0.02                          # verifier lm_head [V, H]
     # Non-draft rows a bit weaker: most teacher argmaxes fall in the draft vocab, as on real data.
     teacher = Teacher(torch.ones(h), head[:vd].clone(), head[vd:] * 0.8, c.rms_norm_eps)
@@ -270,7 +272,8 @@ def _bench_train_child(ttt_steps: int, shapes: dict, seq: int, steps: int, warmu
     times, cpu, m = [], [], {}
     for _ in range(warmup + steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        loss, m = ttt.ttt_loss(drafter, teacher, batch, ttt_steps, deep_fraction=deep_fraction)
+        loss, m = kinds.loss(drafter, teacher, batch, ttt_steps, deep_fraction=deep_fraction,
+                             recompute=False)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -291,14 +294,18 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
                 seq: int = 1024, draft_vocab: int = 8192, heads: int = 9, kv_heads: int = 3,
                 head_dim: int = 64, intermediate: int = 1536, vocab: int = 49152,
                 steps: int = 3, warmup: int = 1, seed: int = 0,
-                deep_fraction: float = 0.25, parallel: bool = False) -> dict:
+                deep_fraction: float = 0.25, parallel: bool = False,
+                block: bool = False) -> dict:
     """Step time and peak memory of TTT training vs ttt_steps (fp32, CPU, B=1, random weights).
     Peak memory = the process's RSS high-water mark (VmHWM, = ru_maxrss of the fresh process)
     minus its RSS right before the first step: the step's own memory (activations, grads, AdamW
     state). `results`: every step on all positions; `deep_results` (ttt_steps > 1): the steps
     past 0 on a `deep_fraction` share of them. parallel: the same for a parallel (P-EAGLE)
     drafter at each ttt_steps >= 2 (`parallel_results`, `parallel_deep_results`), set against
-    the chain's at the same depth. Writes <out_dir>/train.json and train.png."""
+    the chain's at the same depth. block: a block (DFlash) drafter of 2 layers whose block
+    holds ttt_steps drafts, anchored at every position and at a deep_fraction share of them
+    (`block_results`, `block_deep_results`), against the chain at the same depth and share.
+    Writes <out_dir>/train.json and train.png."""
     import multiprocessing as mp
     shapes = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   head_dim=head_dim, intermediate_size=intermediate, vocab_size=vocab,
@@ -307,13 +314,17 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
     ctx = mp.get_context("spawn")
     runs = [(k, 1.0, "chain") for k in ttt_steps] + [
         (k, deep_fraction, "chain") for k in ttt_steps if k > 1 and deep_fraction < 1]
+    chain_runs = list(runs)
     if parallel:
-        runs += [(k, f, "parallel") for k, f, _ in runs if k > 1]
-    par, par_deep = [], []
+        runs += [(k, f, "parallel") for k, f, _ in chain_runs if k > 1]
+    if block:
+        runs += [(k, f, "block") for k, f, _ in chain_runs if k > 1]
+    par, par_deep, blk, blk_deep = [], [], [], []
     for k, f, kind in runs:
         with ctx.Pool(1) as pool:  # a fresh interpreter per configuration
             r = pool.apply(_bench_train_child, (k, shapes, seq, steps, warmup, seed, f, kind))
-        lists = (par, par_deep) if kind == "parallel" else (results, deep_results)
+        lists = {"parallel": (par, par_deep), "block": (blk, blk_deep)}.get(
+            kind, (results, deep_results))
         lists[f < 1.0].append(r)                     # (all positions, a deep share)
         print(f"[bench] train {kind} ttt_steps={k} deep_fraction={f}: "
               f"{r['step_s'] * 1000:.0f} ms/step "
@@ -337,7 +348,8 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
                          for r in deep_results},
         "deep_time_ratio_vs_first": {r["ttt_steps"]: r["step_s"] / base["step_s"]
                                      for r in deep_results},
-        **(_parallel_vs_chain(par, par_deep, results, deep_results) if parallel else {}),
+        **(_kind_vs_chain("parallel", par, par_deep, results, deep_results) if parallel else {}),
+        **(_kind_vs_chain("block", blk, blk_deep, results, deep_results) if block else {}),
         "note": "step = ttt_loss forward + backward + AdamW step, median after warm-up (wall; "
                 "cpu = process CPU time of all threads, less sensitive to a shared box); peak = "
                 "VmHWM of a fresh process minus its RSS before the first step. Targets: memory "
@@ -349,17 +361,17 @@ def bench_train(out_dir: str = "runs/bench", ttt_steps=(1, 2, 4, 8, 16), hidden:
     return result
 
 
-def _parallel_vs_chain(par, par_deep, chain, chain_deep) -> dict:
-    """bench train's parallel block: its runs and their time / memory over the chain's at the
-    same ttt_steps and share of positions."""
+def _kind_vs_chain(kind: str, runs, deep, chain, chain_deep) -> dict:
+    """bench train's section of a one-forward kind (parallel, block): its runs and their time /
+    memory over the chain's at the same ttt_steps and share of positions."""
     def ratios(a, b, key):
         by_k = {r["ttt_steps"]: r for r in b}
         return {r["ttt_steps"]: r[key] / by_k[r["ttt_steps"]][key] for r in a}
-    return {"parallel_results": par, "parallel_deep_results": par_deep,
-            "parallel_time_ratio_vs_chain": ratios(par, chain, "step_s"),
-            "parallel_memory_ratio_vs_chain": ratios(par, chain, "peak_mib"),
-            "parallel_deep_time_ratio_vs_chain": ratios(par_deep, chain_deep, "step_s"),
-            "parallel_deep_memory_ratio_vs_chain": ratios(par_deep, chain_deep, "peak_mib")}
+    return {f"{kind}_results": runs, f"{kind}_deep_results": deep,
+            f"{kind}_time_ratio_vs_chain": ratios(runs, chain, "step_s"),
+            f"{kind}_memory_ratio_vs_chain": ratios(runs, chain, "peak_mib"),
+            f"{kind}_deep_time_ratio_vs_chain": ratios(deep, chain_deep, "step_s"),
+            f"{kind}_deep_memory_ratio_vs_chain": ratios(deep, chain_deep, "peak_mib")}
 
 
 def _plot_train(result: dict, path: str) -> None:
@@ -373,14 +385,16 @@ def _plot_train(result: dict, path: str) -> None:
     if deep:
         a.plot([r["ttt_steps"] for r in deep], [r["step_s"] for r in deep], "s--", color="#7a3",
                label=f"steps past 0 on {result['deep_fraction']:.0%}")
-    for rs, style, what in ((result.get("parallel_results"), "D-", "parallel"),
-                            (result.get("parallel_deep_results"), "D--", "parallel, deep share")):
-        if rs:
-            a.plot([r["ttt_steps"] for r in rs], [r["step_s"] for r in rs], style, color="#d6a",
-                   label=what)
-            b.plot([r["ttt_steps"] for r in rs], [r["peak_mib"] for r in rs], style,
-                   color="#d6a")
-    if deep or result.get("parallel_results"):
+    for kind, color in (("parallel", "#d6a"), ("block", "#e80")):
+        for rs, style, what in ((result.get(f"{kind}_results"), "D-", kind),
+                                (result.get(f"{kind}_deep_results"), "D--",
+                                 f"{kind}, deep share")):
+            if rs:
+                a.plot([r["ttt_steps"] for r in rs], [r["step_s"] for r in rs], style,
+                       color=color, label=what)
+                b.plot([r["ttt_steps"] for r in rs], [r["peak_mib"] for r in rs], style,
+                       color=color)
+    if deep or result.get("parallel_results") or result.get("block_results"):
         a.legend()
     a.set_xlabel("ttt_steps")
     a.set_ylabel("optimizer step (s)")
@@ -627,7 +641,8 @@ def bench_storage(conversations: int = 600, max_length: int = 512, steps: int = 
     if noise not in ("auto", "always", "never"):
         raise ValueError(f"noise must be auto, always or never, got {noise!r}")
     from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
-    from eagle3_ray.train.trainer import TrainConfig, evaluate_drafter, run_train
+    from eagle3_ray.train.config import TrainConfig
+    from eagle3_ray.train.trainer import evaluate_drafter, run_train
     root = os.path.join(out_dir, "storage")
     if fresh:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,8 +1,8 @@
 """Recipe sweep: TrainConfig variants trained side by side for equal minutes, no Ray.
 
 Each arm is a fresh process with one torch thread that builds the drafter as `train` does
-(draft vocab, init), runs the same step (ttt.ttt_loss, AdamW, the lr and depth
-schedules of trainer.py) on the dataset's train split through ParquetShard, for `minutes` of
+(draft vocab, init), runs the same step (loop.train_step: kinds.loss, AdamW, the lr and depth
+schedules of config.py) on the dataset's train split through ParquetShard, for `minutes` of
 training, then evaluates teacher-forced on the held-out split (the verifier's argmax as the
 target, `eval_depth` positions). Arms run `parallel` at a time, one core each, so the arms of a
 group see the same host load and are compared as ratios; one process and one thread per arm
@@ -29,7 +29,10 @@ from dataclasses import asdict, replace
 import torch
 
 from eagle3_ray.data import schema
-from eagle3_ray.train import draft, trainer as train, ttt
+from eagle3_ray.train import draft, kinds, trainer as train, ttt
+from eagle3_ray.train.config import TrainConfig, autocast, autocast_dtype
+from eagle3_ray.train.feed import ParquetShard, collate
+from eagle3_ray.train.loop import MetricSums, build_for_training, make_optimizers, train_step
 
 
 def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4,
@@ -41,19 +44,19 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     that many held-out prompts with it (quality.served_acceptance; needs drafter_dir)."""
     minutes = float(overrides.get("max_minutes", minutes))    # e.g. a 2x-budget arm
     with tempfile.TemporaryDirectory() as run_dir:     # prepare() writes vocab.json there
-        cfg = replace(train.TrainConfig(dataset=dataset, output=run_dir),
+        cfg = replace(TrainConfig(dataset=dataset, output=run_dir),
                       **{**overrides, "max_minutes": minutes}, max_steps=10**9)
         setup = train.prepare(cfg)                     # the checks and draft vocab of `train`
     cfg = replace(cfg, output="")                      # nothing is written for an arm
     torch.manual_seed(cfg.seed)
     manifest, dcfg = setup["manifest"], draft.DraftConfig(**setup["draft_config"])
     column = train.vocab_column(schema.stores_target_ids(manifest))
-    drafter, teacher = train.build_for_training(cfg, setup, teacher_check=False)
+    drafter, teacher = build_for_training(cfg, setup, teacher_check=False)
     parts = [f["uri"] for f in manifest["files"]]
-    shard = train.ParquetShard(parts, cfg.eval_fraction, False, 0, 1)
+    shard = ParquetShard(parts, cfg.eval_fraction, False, 0, 1)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opts = train.make_optimizers(cfg, drafter)
-    amp = train.autocast_dtype(cfg.precision, False)
+    opts = make_optimizers(cfg, drafter)
+    amp = autocast_dtype(cfg.precision, False)
     teacher = teacher.to(amp or torch.float32)
     step = tokens = epoch = 0
     t0, train_s = time.monotonic(), 0.0
@@ -70,9 +73,9 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
     while train_s < 60 * minutes:
         shard.set_epoch(cfg.seed, epoch)
         for batch in shard.iter_batches(cfg.batch_size):
-            b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
-            train.train_step(cfg, drafter, opts, params, teacher, b, step, train_s,
-                             torch.device("cpu"), amp)
+            b = collate(batch, dcfg.hidden_size, cfg.max_seq_len)
+            train_step(cfg, drafter, opts, params, teacher, b, step, train_s,
+                       torch.device("cpu"), amp)
             step, tokens = step + 1, tokens + int(b["attention_mask"].sum())
             train_s = time.monotonic() - t0
             if pending and train_s >= 60 * pending[0]:    # saving is left out of the clock
@@ -82,11 +85,12 @@ def train_arm(dataset: str, overrides: dict, minutes: float, eval_depth: int = 4
                 break
         epoch += 1
     drafter.eval()
-    sums = train.MetricSums(eval_depth)
-    with torch.no_grad(), train.autocast(torch.device("cpu"), amp):
-        for batch in train.ParquetShard(parts, cfg.eval_fraction, True, 0, 1).iter_batches(4):
-            b = train.collate(batch, dcfg.hidden_size, cfg.max_seq_len)
-            loss, m = ttt.ttt_loss(drafter, teacher, b, eval_depth, 1.0, targets="hard")
+    sums = MetricSums(eval_depth)
+    with torch.no_grad(), autocast(torch.device("cpu"), amp):
+        for batch in ParquetShard(parts, cfg.eval_fraction, True, 0, 1).iter_batches(4):
+            b = collate(batch, dcfg.hidden_size, cfg.max_seq_len)
+            loss, m = kinds.loss(drafter, teacher, b, eval_depth, step_weight_decay=1.0,
+                                 targets="hard", evaluating=True)
             sums.add(m, float(loss), int(b["attention_mask"].sum()))
     ev = sums.summarize(sums.t, "eval/")       # the keys of train's final_metrics
     cond = [ev[f"eval/cond_acc_{i}"] for i in range(eval_depth)]

@@ -37,10 +37,10 @@ def measure(tokens=TOKENS, context: int = 256, reps: int = 5, draft_vocab: int =
     cache, interleaved over `reps` rounds, and 4·reps drafter steps -> raw samples (ms)."""
     import torch
     from transformers import DynamicCache
-    draft, speculate, verifier = _code_modules()
+    drafters, speculate, verifier = _code_modules()
     spec = spec or verifier.EMBEDDED_VERIFIER
     model = verifier.load_verifier(spec)
-    drafter = draft.untrained_drafter(spec, draft_vocab)[0]
+    drafter = drafters.untrained_drafter(spec, draft_vocab)[0]
     dec = speculate.Speculator(model, drafter.eval())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.get_text_config(decoder=True).vocab_size, (context + max(tokens) + 1,),
@@ -86,12 +86,15 @@ def measure(tokens=TOKENS, context: int = 256, reps: int = 5, draft_vocab: int =
 
 
 def _code_modules():
-    """(draft, speculate, verifier) of the source tree measured: its stage packages, or the flat
-    modules of a tree from before they existed (--before REF)."""
+    """(the module with untrained_drafter, speculate, verifier) of the source tree measured:
+    its stage packages (train.kinds, or train.draft before kinds existed), or the flat modules
+    of a tree from before they existed (--before REF)."""
     import importlib
     import eagle3_ray
-    if os.path.isdir(os.path.join(eagle3_ray.__path__[0], "serve")):
-        names = ("train.draft", "serve.speculate", "engine.hf")
+    root = eagle3_ray.__path__[0]
+    if os.path.isdir(os.path.join(root, "serve")):
+        kinds = os.path.isfile(os.path.join(root, "train", "kinds.py"))
+        names = ("train.kinds" if kinds else "train.draft", "serve.speculate", "engine.hf")
     else:
         names = ("draft", "speculate", "verifier")
     return tuple(importlib.import_module(f"eagle3_ray.{n}") for n in names)

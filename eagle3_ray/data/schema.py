@@ -24,7 +24,7 @@ The hidden-state storage (a dataset fact, `hidden_storage`; absent = "bf16"):
             mantissa bits), at most scale·2^-10 absolute for the tiniest (e4m3 subnormal) ones;
             zeros stay zero. Format version 3; a reader older than that refuses the dataset.
 decode_row tells the two apart by the scale columns and returns bf16 tensors either way, so
-every reader (train.collate, evaluate_drafter, ...) sees the same batch.
+every reader (feed.collate, evaluate_drafter, ...) sees the same batch.
 
 All plain Arrow types any Parquet reader understands; target_ids adds 4 bytes per token and
 spares the trainer the full-vocab lm_head (its teacher then needs only the draft-vocab rows).

@@ -42,7 +42,8 @@ from eagle3_ray.train import checkpoint
 # Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
 # serve.parse_metrics stays for the demo and tests that read /metrics.
 from eagle3_ray.plan.planner import parse_metrics  # noqa: F401
-from eagle3_ray.serve.profile import PARALLEL_KS, measure_draft_parallel, measure_speculator
+from eagle3_ray.serve.profile import (PARALLEL_KS, measure_draft_parallel, measure_speculator,
+                                      with_round_forward)
 
 log = logging.getLogger("ray.serve")
 
@@ -266,13 +267,12 @@ def depth_planning(cfg: ServeConfig, spec: speculate.Speculator):
         profile = planner.load_profile(cfg.profile)
     else:   # measured here, on this replica's verifier and drafter
         verify_ms, draft_ms = measure_speculator(spec, cfg.max_depth + 1, reps=3)
-        parallel_ms = None
-        if spec.drafter.config.parallel:   # its round is one forward of `depth` query tokens
-            ks = sorted({k for k in PARALLEL_KS if k <= cfg.max_depth} | {cfg.max_depth})
-            parallel_ms = measure_draft_parallel(spec.drafter, ks, reps=3)
         profile = planner.single_device_profile("this replica", verify_ms, draft_ms,
-                                                spec.model.config,
-                                                draft_parallel_ms=parallel_ms)
+                                                spec.model.config)
+        if spec.drafter.config.drafting != "chain":   # its round is one forward, any depth
+            ks = sorted({k for k in PARALLEL_KS if k <= cfg.max_depth} | {cfg.max_depth})
+            profile = with_round_forward(profile, spec.drafter,
+                                         measure_draft_parallel(spec.drafter, ks, reps=3))
     if node:
         profile = planner.with_interconnect(profile, node)
     try:
@@ -393,8 +393,11 @@ class Engine:
                                 f"tokens; the prompt has {n_prompt} and max_tokens is "
                                 f"{max_tokens}", "max_tokens", code="context_length_exceeded")
         if req.speculation_depth is None and self.cfg.dynamic_depth:
-            depth = planner.DynamicDepth(self.depth_profile, self.prior, self.cfg.max_depth,
-                                         drafting=self.spec.drafter.config.drafting)
+            c = self.spec.drafter.config
+            depth = planner.DynamicDepth(
+                self.depth_profile, self.prior,
+                planner.depth_bound(c.drafting, self.cfg.max_depth, c.block_size),
+                drafting=c.drafting, block_layers=c.block_layers)
         else:
             depth = self.cfg.depth if req.speculation_depth is None else req.speculation_depth
             if not 0 <= depth <= self.cfg.max_depth or (depth and not self.spec.drafter):

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from eagle3_ray.engine import hf as verifier
 from eagle3_ray.plan import planner
 from eagle3_ray.serve import speculate
-from eagle3_ray.train import checkpoint, draft
+from eagle3_ray.train import checkpoint, kinds
 
 
 PARALLEL_KS = (1, 2, 4, 8, 16)      # query tokens of the drafter forwards `profile` times
@@ -43,7 +43,7 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
     if drafter_dir:
         drafter = checkpoint.load_trained_drafter(drafter_dir, spec)[0]
     else:
-        drafter = draft.untrained_drafter(spec, min(32000, cfg.vocab_size))[0]
+        drafter = kinds.untrained_drafter(spec, min(32000, cfg.vocab_size))[0]
     dec = speculate.Speculator(model, drafter.eval())
     verify_ms, draft_ms = measure_speculator(dec, max_tokens, context, reps, warmup)
     parallel_ms = measure_draft_parallel(drafter, parallel_ks, context, reps, warmup) \
@@ -78,19 +78,23 @@ def measure_draft_parallel(drafter, ks=PARALLEL_KS, context: int = 256, reps: in
     Eagle3Drafter.forward with a serve.speculate.DraftKV as its `attend` (k > 1 query tokens:
     causal over the cache); the tokens are random and the hidden states are verifier-shaped aux
     states [1, k, 3H] through fc, as a round's first forward takes them. A parallel drafter
-    (config.parallel) gets 1 real token + k-1 mask slots, as it drafts. Timed round robin over
-    the k's, `warmup + reps` rounds; the cache is cropped back after each forward."""
+    (config.parallel) gets 1 real token + k-1 mask slots, as it drafts. A block drafter
+    (drafting "block") runs its round: one new context state joins its cache, then the bonus
+    token + k mask slots. Timed round robin over the k's, `warmup + reps` rounds; the cache is
+    cropped back after each forward."""
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1:
         raise ValueError(f"parallel forward sizes must be >= 1, got {ks}")
     dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    c, n = drafter.config, context + ks[-1]
+    c, n = drafter.config, context + ks[-1] + 1
     parallel = bool(getattr(c, "parallel", False))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, c.vocab_size, (1, n), generator=g).to(dev)          # [1, ctx+K]
     aux = torch.randn(1, n, 3 * c.hidden_size, generator=g).to(dev, dtype)     # [1, ctx+K, 3H]
     pos = torch.arange(n, device=dev)[None]                                    # [1, ctx+K]
+    if c.drafting == "block":
+        return _measure_block(drafter, ks, ids, aux, pos, context, reps, warmup, sync)
     samples = {k: [] for k in ks}
     with torch.inference_mode():
         kv = speculate.DraftKV()
@@ -107,6 +111,40 @@ def measure_draft_parallel(drafter, ks=PARALLEL_KS, context: int = 256, reps: in
                 sync()
                 samples[k].append(time.perf_counter() - t0)
                 kv.crop(context)
+    ms = {k: statistics.median(x[warmup:]) * 1e3 for k, x in samples.items()}
+    return planner.monotone_curve(ms)
+
+
+def with_round_forward(profile, drafter, ms: dict[int, float]):
+    """`profile` plus a one-forward drafter's round times ms {depth k: ms} (as
+    measure_draft_parallel gives them): a parallel drafter's draft_parallel_ms {k: ms}, a block
+    drafter's draft_block_ms {k + 1 query slots: ms} with its layer count."""
+    if drafter.config.drafting == "parallel":
+        return dataclasses.replace(profile, draft_parallel_ms=dict(ms))
+    return dataclasses.replace(profile, draft_block_ms={k + 1: v for k, v in ms.items()},
+                               draft_block_layers=len(drafter.layers))
+
+
+def _measure_block(drafter, ks, ids, aux, pos, context, reps, warmup, sync) -> dict[int, float]:
+    samples = {k: [] for k in ks}
+    mask = drafter.config.mask_token_id
+    with torch.inference_mode():
+        kv = speculate.BlockKV(len(drafter.layers))
+        drafter(ids[:, :0], pos[:, :0], kv, aux=aux[:, :context - 1],
+                aux_positions=pos[:, :context - 1])                            # the context
+        for _ in range(warmup + reps):
+            for k in ks:
+                slots = ids[:, context:context + k + 1].clone()
+                slots[:, 1:] = mask                                            # [1, k+1]
+                sync()
+                t0 = time.perf_counter()
+                out = drafter(slots, pos[:, context:context + k + 1], kv,
+                              aux=aux[:, context - 1:context],
+                              aux_positions=pos[:, context - 1:context])      # [1, k+1, H]
+                drafter.logits(out[:, 1:])                                     # [1, k, Vd]
+                sync()
+                samples[k].append(time.perf_counter() - t0)
+                kv.crop(context - 1)
     ms = {k: statistics.median(x[warmup:]) * 1e3 for k, x in samples.items()}
     return planner.monotone_curve(ms)
 
@@ -147,9 +185,9 @@ def _time_speculator(dec, ids, max_tokens, context, reps, warmup, sync):
                 sync()
                 samples[t].append(time.perf_counter() - t0)
         verify_ms = {t: statistics.median(x[warmup:]) * 1e3 for t, x in samples.items()}  # ms
-        kv = speculate.DraftKV()
-        dec._draft_step(ids[1:context - 1], aux[:, :context - 2], kv)     # absorb the context
-        sp, chain = speculate.SamplingParams(), 4
+        kv, sp, chain = dec._draft_cache(), speculate.SamplingParams(), 4
+        dec._draft_chain(ids[1:context - 1], aux[:, :context - 2], kv, 1, sp, None)  # absorb
+        kv.crop(context - 2)                                               # the context
 
         def draft_round():   # as in a round: right after a verify (the drafter's weights out
             dec._verify(ids[context:context + 2], cache)                   # of cache), absorb

@@ -18,6 +18,12 @@ token's slot and the mask slots propose d_1..d_D at once. The rest of the round 
 A D-deep round then pays one drafter forward instead of D (and on a tensor-parallel node one
 forward's collectives, plan/planner.py), for drafts that cannot see each other.
 
+Block drafter (DFlash, drafting = "block", train/block.py): also ONE forward a round, of a
+few layers: the round's new verifier states join every layer's context keys (block.BlockKV),
+and the slots [x, D masks] at x's position on propose d_1..d_D from the mask slots, which see
+each other (non-causal). The verify, accept and rollback are the chain's, so check_exact's
+"chain" covers a block round's verifier forward as it does a chain's.
+
 Branches (greedy only): the round drafts `branches` chains that fork at the first draft, the
 drafter's top-k first tokens each continued greedily (one batched drafter step per depth), and
 verifies them in ONE verifier forward: [x, chain 1, chain 2, ...], each chain attending to the
@@ -60,6 +66,7 @@ from transformers import DynamicCache
 
 from eagle3_ray.engine import hf as verifier_lib
 from eagle3_ray.serve import kernels
+from eagle3_ray.train.block import BlockKV
 
 log = logging.getLogger(__name__)
 
@@ -453,9 +460,12 @@ class Speculator:
         returned instead (q one-hot, no probabilities) when the drafter's first draft has
         probability < below."""
         drafts, qs, confs = [], [], []
-        parallel = self.drafter.config.parallel
-        if parallel:                                   # all drafts from one forward (P-EAGLE)
+        kind = self.drafter.config.drafting
+        one_forward = kind != "chain"                  # all drafts from one forward
+        if kind == "parallel":                         # P-EAGLE
             logits = self._draft_parallel(tokens, aux, kv, depth)          # [depth, Vd]
+        elif kind == "block":                          # DFlash
+            logits = self._draft_block(tokens, aux, kv, depth)             # [depth, Vd]
         else:
             h, first = self._draft_step(tokens, aux, kv)
             logits = first[None]                                           # [1, Vd]
@@ -465,10 +475,10 @@ class Speculator:
                                                              vocab).float() for t in fallback]
             return list(fallback), qs, [], True
         for i in range(depth):
-            if i > 0 and not parallel:                 # a chain: one more step, fed its state
+            if i > 0 and not one_forward:              # a chain: one more step, fed its state
                 h, step = self._draft_step([tok], h, kv)
                 logits = step[None]                                        # [1, Vd]
-            tok, q, conf = self._propose(logits[i if parallel else 0], sp, gen)
+            tok, q, conf = self._propose(logits[i if one_forward else 0], sp, gen)
             drafts.append(tok)
             qs.append(q)
             confs.append(conf)
@@ -485,6 +495,26 @@ class Speculator:
         dtype = self.drafter.fc.weight.dtype
         out = self.drafter(t, aux.to(dtype), pos, attend=kv, masked=depth - 1)  # [1, s+d-1, H]
         return self.drafter.logits(out[:, -depth:])[0].float()            # [depth, Vd]
+
+    def _draft_block(self, tokens: list[int], aux: torch.Tensor, kv: BlockKV, depth: int):
+        """A block drafter's round in one forward: kv absorbs the context aux [1, s, 3H] (the
+        verifier states of the positions before x = tokens[-1]), and the slots [x, depth masks]
+        at x's position on propose from the masks -> draft-vocab logits [depth, Vd]."""
+        start, s = len(kv), aux.shape[1]
+        ctx = torch.arange(start, start + s, device=self.device)[None]                # [1, s]
+        slots = torch.tensor([[tokens[-1]] + [self.drafter.config.mask_token_id] * depth],
+                             device=self.device)                                     # [1, Q]
+        pos = torch.arange(start + s, start + s + depth + 1, device=self.device)[None]  # [1, Q]
+        out = self.drafter(slots, pos, kv, aux=aux.to(self.drafter.fc.weight.dtype),
+                           aux_positions=ctx)                                        # [1, Q, H]
+        return self.drafter.logits(out[:, 1:])[0].float()                           # [depth, Vd]
+
+    def _draft_cache(self):
+        """A request's drafter cache: the chain's and parallel's DraftKV, or the block
+        drafter's per-layer context (BlockKV)."""
+        if self.drafter is not None and self.drafter.config.drafting == "block":
+            return BlockKV(len(self.drafter.layers))
+        return DraftKV()
 
     def _draft_branches(self, tokens: list[int], aux: torch.Tensor, kv: DraftKV, depth: int,
                         branches: int, match: list[int] = ()):
@@ -541,7 +571,7 @@ class Speculator:
         gen = None
         if sp.seed is not None:
             gen = torch.Generator(self.device).manual_seed(sp.seed)
-        cache, kv, history = DynamicCache(), DraftKV(), []
+        cache, kv, history = DynamicCache(), self._draft_cache(), []
         ngrams = NgramLookup(prompt, lookup.min_n, lookup.max_n) if lookup else None
         t0 = time.perf_counter()
         logits, aux = self._verify(prompt, cache, last_only=True)
@@ -599,10 +629,11 @@ class Speculator:
         if tree and sp.temperature != 0:
             raise ValueError("branches > 1 and the lookup branch need greedy decoding "
                              "(temperature 0)")
-        if tree and self.drafter is not None and self.drafter.config.parallel:
-            raise ValueError("branches > 1 and the lookup branch need a chain drafter: a "
-                             "parallel drafter's drafts do not depend on each other, so its "
-                             "top-k first drafts would all continue alike")
+        if tree and self.drafter is not None and self.drafter.config.drafting != "chain":
+            raise ValueError(f"branches > 1 and the lookup branch need a chain drafter: a "
+                             f"{self.drafter.config.drafting} drafter's drafts do not depend "
+                             f"on each other, so its top-k first drafts would all continue "
+                             f"alike")
         if tree and not self.exact["tree"]:
             raise ValueError(self.inexact_reason("tree"))
         if not prompt:
@@ -669,7 +700,7 @@ class TextStream:
 
 def main(argv=None):
     from eagle3_ray.data import conversations as data
-    from eagle3_ray.train import draft
+    from eagle3_ray.train import kinds
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--verifier", default=verifier_lib.EMBEDDED_VERIFIER)
     p.add_argument("--drafter", help="a trained drafter dir (default: an untrained one)")
@@ -682,7 +713,7 @@ def main(argv=None):
         from eagle3_ray.train.checkpoint import load_trained_drafter
         drafter = load_trained_drafter(a.drafter, a.verifier)[0]
     else:
-        drafter = draft.untrained_drafter(a.verifier)[0]
+        drafter = kinds.untrained_drafter(a.verifier)[0]
     spec = Speculator(model, drafter.eval())
     prompt = data.prompt_ids(tok, [{"role": "user", "content": a.prompt}])
     for depth in (0, a.depth):

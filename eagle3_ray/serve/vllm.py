@@ -40,7 +40,8 @@ Mapping (Ray 2.60, read in ray/llm/_internal/serve/..., no code taken):
     native bf16, fp32 on others; enforce_eager: cfg.eager, else eager on CPU hosts with < 8
     cores; on CPU kv_cache_memory_bytes), tensor_parallel_size, max_model_len,
     speculative_config (eagle3; with "parallel_drafting": true where the export's config.json
-    says the drafter is a parallel, P-EAGLE, one: vLLM drafts in parallel only when asked).
+    says the drafter is a parallel, P-EAGLE, one: vLLM drafts in parallel only when asked;
+    method "dflash" for a block, DFlash, drafter: eagle3_speculative_config).
   - placement_group_config {"bundles": [...], "strategy": "STRICT_PACK"} (LLMConfig field,
     validated by ray/llm/_internal/common/placement.py PlacementGroupConfig; BundleConfig allows
     extra keys for custom resources). GPUs: one {"GPU": 1} bundle per tensor-parallel worker.
@@ -224,6 +225,22 @@ def drafts_in_parallel(export_dir: str) -> bool:
     return True
 
 
+def drafts_in_blocks(export_dir: str) -> bool:
+    """Whether the vLLM export in `export_dir` is a block (DFlash) drafter: its config.json
+    names architecture DFlashDraftModel (checkpoint.block_config), which vLLM runs with method
+    "dflash" only, and then must carry dflash_config's integer mask_token_id."""
+    from eagle3_ray.train.checkpoint import BLOCK_ARCHITECTURE
+    with open(os.path.join(export_dir, "config.json")) as f:
+        config = json.load(f)
+    if BLOCK_ARCHITECTURE not in (config.get("architectures") or []):
+        return False
+    if not isinstance((config.get("dflash_config") or {}).get("mask_token_id"), int):
+        raise ValueError(f"{export_dir}/config.json: a {BLOCK_ARCHITECTURE} without an integer "
+                         "dflash_config.mask_token_id, which vLLM's dflash method feeds the "
+                         "block's draft slots")
+    return True
+
+
 def check_cpu_drafter_layer(model_dir: str, export_dir: str, gpus: float = 0) -> None:
     """Refuse, before vLLM starts, a Llama-layer drafter for an MLA (DeepSeek / Kimi) verifier on
     vLLM's CPU build: its CPU MLA backend takes KV blocks of 16 tokens only, its CPU attention
@@ -233,8 +250,16 @@ def check_cpu_drafter_layer(model_dir: str, export_dir: str, gpus: float = 0) ->
     from eagle3_ray.engine import vllm as engine
     if gpus or not os.path.isdir(model_dir) or not engine.is_deepseek(model_dir):
         return
+    from eagle3_ray.train.checkpoint import BLOCK_ARCHITECTURE
     with open(os.path.join(export_dir, "config.json")) as f:
         arch = (json.load(f).get("architectures") or [""])[0]
+    if arch == BLOCK_ARCHITECTURE:   # qwen3_dflash.py: vLLM's Attention, the CPU_ATTN backend
+        raise ValueError(f"{export_dir}: a block (DFlash) drafter for the MLA verifier "
+                         f"{model_dir} on vLLM's CPU build: its layers use vLLM's CPU attention "
+                         "backend (KV blocks in multiples of 32) and the verifier's CPU MLA "
+                         "backend takes blocks of 16 only, so vLLM cannot start (\"No common "
+                         "block size\"). Serve on GPUs (--gpus-per-replica), or use the builtin "
+                         "engine")
     if arch == "LlamaForCausalLMEagle3":
         raise ValueError(f"{export_dir}: a Llama-layer drafter for the MLA verifier {model_dir} "
                          "on vLLM's CPU build: its CPU MLA backend (the verifier's) takes KV "
@@ -252,7 +277,12 @@ def eagle3_speculative_config(export_dir: str, depth: int) -> dict:
     draft model / eagle head dir), `num_speculative_tokens` (> 0), `parallel_drafting` (all
     `depth` drafts in one drafter forward; off unless asked, so it is added where the export is
     a parallel drafter). `draft_tensor_parallel_size` (1 or the target's TP) is left unset: vLLM
-    then picks it."""
+    then picks it. A block (DFlash) drafter's export (drafts_in_blocks) gets method "dflash":
+    vLLM (config/speculative.py) then drafts in parallel by itself, `depth` mask slots after
+    the bonus token in one drafter forward (v1/spec_decode/dflash.py), as the builtin engine's
+    round at that depth does."""
+    if drafts_in_blocks(export_dir):
+        return {"method": "dflash", "model": export_dir, "num_speculative_tokens": int(depth)}
     spec = {"method": "eagle3", "model": export_dir, "num_speculative_tokens": int(depth)}
     if drafts_in_parallel(export_dir):
         spec["parallel_drafting"] = True

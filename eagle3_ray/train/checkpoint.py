@@ -5,12 +5,14 @@ never leaves a directory that looks complete):
 
     model.safetensors  fc, midlayer.*, norm, lm_head (draft vocab), d2t int64 [Vd], t2d bool [V],
                        mask_hidden [3H] for a parallel drafter, fc_norm.{0,1,2} with EAGLE-3.1's
-                       fc_norm; no embed_tokens: the verifier's embedding is frozen and engines
-                       share it
+                       fc_norm; a block drafter: fc, hidden_norm, layers.{i}.*, norm, lm_head,
+                       d2t, t2d (block.py); no embed_tokens: the verifier's embedding is frozen
+                       and engines share it
     config.json        SGLang/vLLM "LlamaForCausalLMEagle3" layout, or for an MLA layer
                        "Eagle3DeepseekV3ForCausalLM" (engine_config: the top-level aux ids in
                        vLLM's convention, eagle_config's in SGLang's; fc_norm / norm_output),
-                       plus our full DraftConfig under "eagle3_ray"
+                       a block drafter vLLM's "DFlashDraftModel" (block_config), plus our full
+                       DraftConfig under "eagle3_ray"
     meta.json          ttt_steps, dataset manifest hash, metrics, tool version, created time,
                        sizes + sha256 of the two files above, whatever the caller passed
 
@@ -32,6 +34,29 @@ their sources; no code taken):
     "mask_hidden" [3H] into a buffer when speculative_config has "parallel_drafting": true
     (and refuses the checkpoint without it); vllm/v1/spec_decode/llm_base_proposer.py reads
     the config's top-level mask_token_id and feeds each mask slot fc(mask_hidden).
+  - vLLM's `dflash` method, a block (DFlash) drafter (drafting "block"): registry
+    "DFlashDraftModel" -> models/qwen3_dflash.py DFlashQwen3ForCausalLM (EAGLEConfig keeps an
+    architecture that starts with "DFlash"); a Qwen3 config of the drafter's shapes
+    (num_hidden_layers = block_layers, head_dim, rope_theta / rope_scaling, rms_norm_eps,
+    hidden_act silu only: Qwen2MLP), fc's input = target_hidden_size x the aux layers.
+    load_weights: "t2d" skipped, "d2t" -> draft_id_to_target_id (a parameter only for a
+    reduced draft vocab, as in llama_eagle3), every other name but lm_head's prefixed "model.",
+    q/k/v_proj stacked into qkv_proj and gate/up_proj into gate_up_proj; embed_tokens and
+    mask_embedding dropped when absent (the target's embedding is shared,
+    llm_base_proposer._maybe_share_embeddings; our lm_head is kept: has_own_lm_head). The
+    context: combine_hidden_states = fc(aux), then precompute_and_store_context_kv applies
+    hidden_norm, each layer's k/v_proj, k_norm and RoPE into that layer's KV cache; queries are
+    the bonus token + num_speculative_tokens mask_token_id slots (dflash_config.mask_token_id)
+    at the positions after the context (v1/spec_decode/dflash.py, _copy_and_expand_dflash_inputs,
+    which vLLM's CPU build runs through its C++ override, platforms/cpu.py), non-causal unless
+    is_causal / dflash_config.causal / sliding layer_types say otherwise. Aux layers
+    (eagle3_utils.py get_eagle3_aux_layers_from_config): a top-level
+    eagle_aux_hidden_state_layer_ids is used as-is if present, else dflash_config
+    .target_layer_ids + 1 ("DFlash's aux layer id semantics": the output of layer j); we write
+    only the latter (dflash_layer_ids). SGLang's DFLASH (python/sglang/srt/models/dflash.py
+    DFlashDraftModel) reads the same names but has no lm_head / d2t (it drafts through the
+    target's lm_head, and its load_weights skips unknown names), so a block drafter has no
+    SGLang export; speculators has no DFlash format either (refuse_block_export).
   - vLLM vllm/model_executor/models/deepseek_eagle3.py (the MLA layer, DraftConfig.layer "mla";
     registry: Eagle3DeepseekV2ForCausalLM and ...V3... are the same class): builds the layer from
     a DeepseekV2/V3 config (model_type deepseek_v2, see _layer_config: q_lora_rank, kv_lora_rank, qk_nope_head_dim,
@@ -96,7 +121,7 @@ from safetensors.torch import load_file, save_file
 from eagle3_ray import __version__
 from eagle3_ray.data import schema
 from eagle3_ray.engine import hf as verifier
-from eagle3_ray.train import draft, mla
+from eagle3_ray.train import draft, kinds, mla
 from eagle3_ray.train.draft import DraftConfig
 from eagle3_ray.train.vocab import check_mapping
 
@@ -119,6 +144,9 @@ def _dropped(name: str) -> bool:
     return name in _DROPPED_NAMES or any(p in name for p in _DROPPED_PARTS)
 SGLANG_LAYER_ID_CONVENTION = ("sglang: config id j captures the output of decoder layer j "
                               "(= vLLM id j+1)")
+DFLASH_LAYER_ID_CONVENTION = ("dflash: dflash_config.target_layer_ids j is the output of decoder "
+                              "layer j (= vLLM id j+1; vLLM adds 1)")
+BLOCK_ARCHITECTURE = "DFlashDraftModel"    # z-lab's; vLLM's registry -> DFlashQwen3ForCausalLM
 
 
 # --- names, shapes, config --------------------------------------------------------------------
@@ -145,9 +173,32 @@ def _attention_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
             a + "v_proj.weight": (kv, 2 * h), a + "o_proj.weight": (h, q)}
 
 
+def _block_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """A block (DFlash) drafter's tensors but the vocabulary ones: block.BlockDrafter's names,
+    which are vLLM's DFlashQwen3Model's (its loader prefixes "model.")."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out = {"fc.weight": (h, 3 * h), "hidden_norm.weight": (h,)}
+    for j in range(cfg.block_layers):
+        p = f"layers.{j}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i)})
+    return out
+
+
 def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
     """Every tensor of a drafter checkpoint -> (shape, required dtype or None for any float)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
+    vocab = {"norm.weight": ((h,), None),
+             "lm_head.weight": ((cfg.draft_vocab_size, h), None),
+             "d2t": ((cfg.draft_vocab_size,), torch.int64),
+             "t2d": ((cfg.vocab_size,), torch.bool)}
+    if cfg.drafting == "block":
+        return {**{k: (shape, None) for k, shape in _block_shapes(cfg).items()}, **vocab}
     parallel = {"mask_hidden": ((3 * h,), None)} if cfg.parallel else {}   # P-EAGLE, vLLM's name
     fc_norm = {f"fc_norm.{j}.weight": ((h,), None) for j in range(3)} if cfg.fc_norm else {}
     return {**parallel, **fc_norm,
@@ -159,10 +210,7 @@ def expected_shapes(cfg: DraftConfig) -> dict[str, tuple[tuple[int, ...], torch.
         "midlayer.input_layernorm.weight": ((h,), None),
         "midlayer.hidden_norm.weight": ((h,), None),
         "midlayer.post_attention_layernorm.weight": ((h,), None),
-        "norm.weight": ((h,), None),
-        "lm_head.weight": ((cfg.draft_vocab_size, h), None),
-        "d2t": ((cfg.draft_vocab_size,), torch.int64),
-        "t2d": ((cfg.vocab_size,), torch.bool),
+        **vocab,
     }
 
 
@@ -225,6 +273,8 @@ def engine_config(cfg: DraftConfig, torch_dtype: str, fmt: str | None = None) ->
     i), eagle_config's are SGLang's (the output of layer j = i - 1). fc_norm / norm_output:
     EAGLE-3.1's toggles as vLLM (llama_eagle3.py, deepseek_eagle3.py) and SGLang's MLA drafter
     read them."""
+    if cfg.drafting == "block":
+        return block_config(cfg, torch_dtype)
     ids = verifier.check_layer_ids(cfg.aux_layer_ids, where="DraftConfig.aux_layer_ids")
     return {
         **_layer_config(cfg, fmt),
@@ -256,6 +306,50 @@ def engine_config(cfg: DraftConfig, torch_dtype: str, fmt: str | None = None) ->
     }
 
 
+def dflash_layer_ids(vllm_ids: list[int]) -> list[int]:
+    """vLLM-convention aux ids (input of layer i) -> DFlash's target_layer_ids (the output of
+    layer j = i - 1): vLLM captures the input of j + 1 for each (eagle3_utils.py,
+    get_eagle3_aux_layers_from_config, "Add 1 to convert DFlash's aux layer id semantics")."""
+    return [i - 1 for i in verifier.check_layer_ids(vllm_ids)]
+
+
+def block_config(cfg: DraftConfig, torch_dtype: str) -> dict:
+    """config.json body of a block drafter in the layout vLLM's `dflash` method loads (module
+    docstring): a Qwen3 config of the drafter's own shapes, architectures DFlashDraftModel
+    (registry: qwen3_dflash.DFlashQwen3ForCausalLM), and dflash_config. Block size: DFlash's
+    convention, the query slots of a round INCLUDING the bonus token (z-lab's "block_size":
+    16 is served with num_speculative_tokens 15), so it is DraftConfig.block_size + 1; vLLM
+    itself takes the drafts per round from num_speculative_tokens only. Aux ids: only
+    dflash_config.target_layer_ids (dflash_layer_ids, = vLLM ids - 1); no top-level
+    eagle_aux_hidden_state_layer_ids, which vLLM would read first and as-is."""
+    ids = verifier.check_layer_ids(cfg.aux_layer_ids, where="DraftConfig.aux_layer_ids")
+    slots = cfg.block_size + 1
+    return {
+        "architectures": [BLOCK_ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.block_layers,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": cfg.hidden_act,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+        "block_size": slots,
+        # causal False: every layer attends over the whole block (vLLM qwen3_dflash.py
+        # _dflash_layer_causal reads this override first; non-causal is also its default)
+        "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": dflash_layer_ids(ids),
+                          "block_size": slots, "causal": False},
+    }
+
+
 def _ours(cfg: DraftConfig, **extra) -> dict:
     """Our block inside config.json: the full DraftConfig and the layer-id convention."""
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "tool_version": __version__,
@@ -265,8 +359,11 @@ def _ours(cfg: DraftConfig, **extra) -> dict:
 
 def _engine_json(cfg: DraftConfig, torch_dtype: str, **extra) -> dict:
     """engine_config + our block, saying which convention each of the two id keys uses."""
-    return dict(engine_config(cfg, torch_dtype, extra.get("export")), eagle3_ray=_ours(
-        cfg, eagle_config_layer_id_convention=SGLANG_LAYER_ID_CONVENTION, **extra))
+    convention = ({"dflash_layer_id_convention": DFLASH_LAYER_ID_CONVENTION}
+                  if cfg.drafting == "block" else
+                  {"eagle_config_layer_id_convention": SGLANG_LAYER_ID_CONVENTION})
+    return dict(engine_config(cfg, torch_dtype, extra.get("export")),
+                eagle3_ray=_ours(cfg, **convention, **extra))
 
 
 def manifest_hash(manifest: dict) -> str:
@@ -573,6 +670,7 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
         raise ValueError(f"{src_dir}: a parallel (P-EAGLE) drafter exports for vLLM only "
                          f"(format 'vllm'); {format!r} has no parallel drafting we can target "
                          "(SGLang: PR #27498 not merged)")
+    refuse_block_export(cfg, format, src_dir)
     refuse_layer_export(cfg, format, src_dir)
     spec = verifier_path or meta.get("verifier")
     vdir = None
@@ -599,6 +697,21 @@ def export(src_dir: str, out_dir: str, format: str, verifier_path: str | None = 
         config = _speculators_config(cfg, dtype, vdir, k)
     _write_dir(out_dir, tensors, config, None)
     return os.path.abspath(out_dir)
+
+
+def refuse_block_export(cfg: DraftConfig, format: str, where: str) -> None:
+    """A block (DFlash) drafter exports for vLLM only; refuse the others by name and reason."""
+    if cfg.drafting != "block" or format == "vllm":
+        return
+    if format == "sglang":
+        raise ValueError(f"{where}: a block (DFlash) drafter has no SGLang export: SGLang's "
+                         "DFlashDraftModel (python/sglang/srt/models/dflash.py) has no lm_head "
+                         "and no d2t, it drafts through the target's lm_head and skips unknown "
+                         "weights silently, so our trained lm_head (draft vocabulary) would be "
+                         "dropped and SGLang would run another model; export --format vllm")
+    raise ValueError(f"{where}: a block (DFlash) drafter has no {format} export: speculators "
+                     "has no DFlash / block format (its models are EAGLE-3 chains); export "
+                     "--format vllm")
 
 
 def refuse_layer_export(cfg: DraftConfig, format: str, where: str) -> None:
@@ -646,7 +759,7 @@ def load_trained_drafter(drafter_dir: str, spec: str | None = None, teacher_chec
     """A saved drafter directory -> (drafter, teacher, meta), embedding from the verifier
     (`spec`, default: the one it was trained with); see draft.build_drafter for teacher_check."""
     state, dcfg, meta = load_drafter(drafter_dir)
-    drafter, teacher = draft.build_drafter(spec or meta["verifier"], dcfg, state["d2t"],
-                                           state["t2d"], teacher_check=teacher_check)
+    drafter, teacher = kinds.build(spec or meta["verifier"], dcfg, state["d2t"], state["t2d"],
+                                   teacher_check=teacher_check, init="random")
     load_weights(drafter, state, drafter_dir)
     return drafter.eval(), teacher, meta

@@ -66,10 +66,16 @@ class DraftConfig:
     drafting: str = "chain"              # "chain": EAGLE-3, one forward per draft, each fed the
                                          # previous step's state; "parallel": P-EAGLE, k drafts
                                          # from one forward whose slots past the first hold
-                                         # mask_token_id and fc(mask_hidden)
-    mask_token_id: int | None = None     # parallel: the token of the mask slots (its embedding
-                                         # is the verifier's, frozen; what sets a slot apart is
-                                         # the learned mask_hidden); default vocab_size - 1
+                                         # mask_token_id and fc(mask_hidden); "block": DFlash,
+                                         # a block of drafts from one forward of block_layers
+                                         # layers conditioned on the aux states (block.py)
+    mask_token_id: int | None = None     # parallel / block: the token of the mask slots (its
+                                         # embedding is the verifier's, frozen; parallel: what
+                                         # sets a slot apart is the learned mask_hidden);
+                                         # default vocab_size - 1
+    block_size: int = 16                 # block: drafts per block (a round's query slots are
+                                         # the bonus token + block_size masks)
+    block_layers: int = 2                # block: decoder layers of the block drafter
     layer: str = "llama"                 # the decoder layer: "llama" (GQA) or "mla" (DeepSeek
                                          # MLA, vLLM's Eagle3DeepseekV3ForCausalLM; mla.py)
     fc_norm: bool = False                # EAGLE-3.1: an RMSNorm per aux state before fc
@@ -91,7 +97,14 @@ class DraftConfig:
             self.num_key_value_heads = self.num_attention_heads   # MLA: a key/value per head
         else:               # refuse an unsupported rope now, not at a worker's first forward
             llama_rope_kind(self)
-        if self.drafting == "parallel" and self.mask_token_id is None:
+        if self.drafting == "block" and self.layer != "llama":
+            raise ValueError("a block drafter's layers are Qwen3-style GQA layers (vLLM's "
+                             f"DFlashQwen3); layer {self.layer!r} is for chain drafters")
+        if self.drafting == "block" and not (1 <= self.block_size <= 32
+                                             and self.block_layers >= 1):
+            raise ValueError(f"block drafter: need 1 <= block_size <= 32 and block_layers >= 1, "
+                             f"got {self.block_size}, {self.block_layers}")
+        if self.drafting in ("parallel", "block") and self.mask_token_id is None:
             self.mask_token_id = self.vocab_size - 1
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary "
@@ -151,7 +164,7 @@ class DraftConfig:
         return asdict(self)
 
 
-DRAFTING = ("chain", "parallel")
+DRAFTING = ("chain", "parallel", "block")
 LAYERS = ("llama", "mla")
 
 
@@ -280,6 +293,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.transpose(1, 2).reshape(b, s, nh * d)  # [B, S, nh*Dv]
 
 
+@torch.no_grad()
+def init_weights(drafter: nn.Module, std: float) -> None:
+    """A fresh drafter's weights: linears and the embedding N(0, std), RMSNorms 1."""
+    for m in drafter.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            m.weight.normal_(0.0, std)
+        elif isinstance(m, RMSNorm):
+            m.weight.fill_(1.0)
+
+
 # --- the drafter ----------------------------------------------------------------------------
 
 class Eagle3Drafter(nn.Module):
@@ -309,12 +332,7 @@ class Eagle3Drafter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                m.weight.normal_(0.0, self.config.initializer_range)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-        self.embed_tokens.weight.normal_(0.0, self.config.initializer_range)
+        init_weights(self, self.config.initializer_range)
         if self.config.parallel:
             self.mask_hidden.normal_(0.0, self.config.initializer_range)
 
@@ -490,14 +508,15 @@ def read_verifier_tensors(spec: str, names, missing_ok: bool = False) -> dict[st
 
 def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: torch.Tensor,
                   dtype: torch.dtype = torch.float32, teacher_check: bool = True,
-                  init: str = "random") -> tuple[Eagle3Drafter, Teacher]:
+                  init: str = "random", cls=None) -> tuple[Eagle3Drafter, Teacher]:
     """A drafter for the verifier `spec` from its embedding, final norm and lm_head (tied
     embeddings: no lm_head.weight -> the embedding). The drafter's norm and lm_head start from the
     verifier's (lm_head: the draft vocab's rows); fc and the midlayer are random, or with
     init="verifier" start from one of the verifier's decoder layers (init_from_verifier).
     Returns (drafter, teacher) — the teacher holds the verifier's norm + lm_head rows for ttt.py
     (the rows outside the draft vocab only with teacher_check: datasets with target_ids skip
-    them)."""
+    them). cls: the drafter's class (default Eagle3Drafter; train.kinds passes the block
+    drafter's, whose init="verifier" is its own: block.init_from_verifier)."""
     if init not in INIT_MODES:
         raise ValueError(f"init must be one of {INIT_MODES}, got {init!r}")
     c = draft_config
@@ -520,14 +539,14 @@ def build_drafter(spec: str, draft_config: DraftConfig, d2t: torch.Tensor, t2d: 
         raise ValueError(f"verifier {spec!r}: embed {tuple(embed.shape)} / lm_head "
                          f"{tuple(head.shape)}, config says ({c.vocab_size}, {c.hidden_size})")
 
-    drafter = Eagle3Drafter(c).to(dtype)
+    drafter = (cls or Eagle3Drafter)(c).to(dtype)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(embed)
         drafter.norm.weight.copy_(norm)
         drafter.lm_head.weight.copy_(head[target_ids])                      # [Vd, H]
         drafter.d2t.copy_(d2t)
         drafter.t2d.copy_(t2d)
-    if init == "verifier":
+    if init == "verifier" and cls is None:
         report = init_from_verifier(drafter, spec)
         if report["kept_random"]:
             warnings.warn(f"verifier {spec!r} layer {report['layer']}: no tensor of the drafter's "
@@ -585,22 +604,6 @@ def init_from_verifier(drafter: Eagle3Drafter, spec: str, layer: int | None = No
     drafter.fc.weight[:, 2 * h:] = torch.eye(h)                            # [H, 3H]: high aux
     copied.append("fc.weight")
     return {"layer": j, "copied": copied, "kept_random": kept}
-
-
-def untrained_drafter(spec: str, draft_vocab_size: int | None = None, seed: int = 0,
-                      drafting: str = "chain", **config):
-    """A randomly initialised drafter for `spec` with the first `draft_vocab_size` token ids
-    (default: the full vocabulary) as its draft vocab: for tests, benchmarks of the decoding
-    machinery, and `serve` before any training. `config`: DraftConfig fields (layer="mla",
-    fc_norm, norm_output, ...). Returns (drafter, teacher)."""
-    cfg = verifier.text_config(verifier.load_config(spec))
-    c = DraftConfig.from_verifier_config(cfg, draft_vocab_size or cfg.vocab_size,
-                                         verifier.default_aux_layer_ids(cfg.num_hidden_layers),
-                                         drafting=drafting, **config)
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[:c.draft_vocab_size] = True
-    torch.manual_seed(seed)
-    return build_drafter(spec, c, torch.zeros(c.draft_vocab_size, dtype=torch.long), t2d)
 
 
 def main(argv=None):

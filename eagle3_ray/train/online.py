@@ -5,7 +5,7 @@
       -> Tokenize actors -> VerifierExtractor actors (extract/pipeline.py, emit="rows": the
          hidden-state rows go through Ray's object store; with --cache also written as offline
          Parquet parts)
-      -> TorchTrainer workers: get_dataset_shard("train"), the same batches as offline (trainer.py)
+      -> TorchTrainer workers: get_dataset_shard("train"), the same batches as offline (loop.py)
 
 Each epoch re-runs the pipeline (Ray Train re-executes its dataset per epoch). With `--cache DIR`
 the first epoch also writes DIR as an offline dataset (parts + manifest.json) and the epochs
@@ -38,6 +38,9 @@ from eagle3_ray.data import conversations as data, schema
 from eagle3_ray.engine import hf as verifier
 from eagle3_ray.extract import pipeline as extract
 from eagle3_ray.train import trainer as train, vocab
+from eagle3_ray.train.config import TrainConfig, check_config
+from eagle3_ray.train.feed import is_eval
+from eagle3_ray.train.state import result_state
 
 SOURCE_FILE = "online/source.json"      # in the run dir: the facts of the run's hidden states
 SKIP_FILE = "online/skip.json"          # in the run dir: ids the read tasks drop this epoch
@@ -64,7 +67,7 @@ def read_conversations(batch: pa.Table, limit: int | None, batch_rows: int,
     for files in batch.column("files").to_pylist():
         stats, ids, msgs, n = data.ReadStats(), [], [], 0
         for sid, messages in data.iter_samples(list(files), limit, stats, offset):
-            if want_eval is not None and train.is_eval(sid, eval_fraction) != want_eval:
+            if want_eval is not None and is_eval(sid, eval_fraction) != want_eval:
                 continue
             n += 1
             if sid not in skip:
@@ -213,7 +216,7 @@ def check_source(output: str, facts: dict, ecfg: extract.ExtractConfig) -> None:
          "skip": ecfg.sample_offset}, indent=2).encode())
 
 
-def fit_cpus(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig):
+def fit_cpus(tcfg: TrainConfig, ecfg: extract.ExtractConfig):
     """Both configs with the CPUs per training worker and per verifier replica decided: the
     flags given, else 1, or on a local Ray the machine shared between them (launch.fit_cpus)."""
     from eagle3_ray import launch
@@ -225,7 +228,7 @@ def fit_cpus(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig):
             replace(ecfg, cpus_per_replica=fit["replica"]))
 
 
-def check_resources(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig) -> None:
+def check_resources(tcfg: TrainConfig, ecfg: extract.ExtractConfig) -> None:
     """Online runs verifier replicas and training workers at once: refuse a plan the cluster
     cannot hold (it would wait forever) with the numbers to change."""
     import ray
@@ -255,7 +258,7 @@ def drop_eval_parts(cache: str, eval_fraction: float) -> None:
     separate parts)."""
     fs, root = schema.resolve_fs(cache)
     for path in schema.list_parts(fs, root):
-        if all(train.is_eval(s, eval_fraction) for s in schema.read_column(fs, path, "sample_id")):
+        if all(is_eval(s, eval_fraction) for s in schema.read_column(fs, path, "sample_id")):
             fs.delete_file(path)
 
 
@@ -267,7 +270,7 @@ def cache_complete(cache: str) -> bool:
         return False
 
 
-def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
+def run_online(tcfg: TrainConfig, ecfg: extract.ExtractConfig,
                address: str | None = None, cache: str | None = None,
                vocab_samples: int = 50_000, eval_samples: int = 512):
     """Train a drafter on hidden states extracted as it trains. Rerun the same command to
@@ -283,7 +286,7 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
                    stats_actor=f"online-stats-{run_id}")
     ecfg = extract.with_engine_model(ecfg)   # --engine vllm: its environment, a transformers dir
     tcfg = replace(tcfg, dataset=cache or f"online:{','.join(ecfg.inputs)}")
-    train.check_config(tcfg)
+    check_config(tcfg)
     tok, config = verifier.load_tokenizer(tcfg.verifier), verifier.load_config(tcfg.verifier)
     facts = extract.dataset_facts(ecfg, config, tok)
     check_source(tcfg.output, facts, ecfg)
@@ -330,7 +333,7 @@ def run_online(tcfg: train.TrainConfig, ecfg: extract.ExtractConfig,
     print_balance(figures)
     if not cache:
         return result
-    state = train.result_state(result)
+    state = result_state(result)
     if state["epoch"] < 1:
         print(f"[online] stopped inside the first epoch: {cache} has no manifest yet "
               "(rerun to go on)")

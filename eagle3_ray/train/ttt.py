@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -216,6 +217,83 @@ def deep_selection(useful: torch.Tensor, fraction: float, generator=None):
 
 TARGETS = ("soft", "hard")
 
+@dataclass
+class Targets:
+    """What every step of a batch is scored against, computed once per batch.
+    target [M, Vd] probabilities (soft) or [M] draft ids (hard), teacher_top [M] the teacher's
+    argmax (draft ids), target_row [B, S] the row of position u's target (the verifier's
+    distribution of token u+1; -1 = none), learn_row [B, S] the same where that token is in the
+    draft vocab (only those carry loss), agree [B, S] the data's token u+1 is the verifier's
+    greedy token and in the draft vocab (a served chain goes on only along such tokens)."""
+    target: torch.Tensor
+    teacher_top: torch.Tensor
+    target_row: torch.Tensor
+    learn_row: torch.Tensor
+    agree: torch.Tensor
+
+    @classmethod
+    def of(cls, drafter, teacher, batch: dict, targets: str) -> "Targets":
+        ids = batch["input_ids"].long()                                    # [B, S]
+        b, s = ids.shape
+        # Teacher only where some step can use it: u >= 1, masked in, a real token.
+        wanted = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # [B, S]
+        wanted[:, 0] = False
+        greedy = batch.get("target_ids")      # the verifier's argmax, stored at extraction
+        if targets == "hard" and greedy is not None:                       # no teacher needed
+            top = greedy[wanted]                                           # [M] target ids
+            in_draft = drafter.t2d[top]                                    # [M]
+            teacher_top = (drafter.t2d.cumsum(0) - 1)[top].clamp(min=0)    # [M] draft ids
+        else:
+            p_rows, in_draft = teacher(batch["last_hidden_states"][wanted],
+                                       check=greedy is None)               # [M, Vd], [M]
+            if greedy is not None:
+                in_draft = drafter.t2d[greedy[wanted]]
+            teacher_top = p_rows.argmax(-1)                                # [M]
+        target = p_rows if targets == "soft" else teacher_top              # [M, Vd] or [M]
+        agree = torch.zeros_like(wanted)                                   # [B, S]
+        agree[wanted] = in_draft & (shift_left(ids, 1, -1)[wanted]
+                                    == drafter.draft_to_target(teacher_top))
+        target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
+        target_row[wanted] = torch.arange(len(teacher_top), device=ids.device)
+        learn_row = target_row.clone()
+        learn_row[wanted] = torch.where(in_draft, target_row[wanted], -1)
+        return cls(target, teacher_top, target_row, learn_row, agree)
+
+
+class StepSums:
+    """The per-step COUNT_KEYS sums of one batch, kept as tensors (one device sync at the end),
+    with the served-like chain: step k is counted conditionally only where steps 0..k-1 were
+    valid and right and the data agreed with the verifier's greedy tokens fed to them."""
+
+    def __init__(self, chain: torch.Tensor):
+        self.chain = chain                                                 # [B, n] bool
+        self.sums = {key: [] for key in COUNT_KEYS}
+
+    @torch.no_grad()
+    def add(self, rows, learn, pred, teacher_top, agree_k, loss_sum) -> None:
+        """One step: rows / learn [B, n] (target rows, -1 = none), pred [N] the drafter's
+        argmax on learn's rows (in order), agree_k [B, n], loss_sum its summed loss."""
+        valid, learnable = rows >= 0, learn >= 0
+        ok = torch.zeros_like(valid)
+        ok[learnable] = pred == teacher_top[learn[learnable]]              # in vocab & right
+        s = self.sums
+        s["count"].append(valid.sum())
+        s["correct"].append(ok.sum())
+        s["cond_count"].append((valid & self.chain).sum())
+        self.chain = self.chain & ok
+        s["all_correct"].append(self.chain.sum())
+        self.chain = self.chain & agree_k  # step k+1 is conditioned on a served-like chain only
+        s["loss_count"].append(learnable.sum())
+        s["loss_sum"].append(loss_sum.detach().double())
+
+    def metrics(self, losses: list, weights: list) -> tuple[torch.Tensor, dict]:
+        """-> (Σ_k w_k loss_k / Σ_k w_k over the weighted steps, summarize()'s metrics)."""
+        loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
+        metrics = summarize({key: torch.stack(v).tolist() for key, v in self.sums.items()})
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics
+
+
 
 def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: float = 0.8,
              chunk_size: int = 512, checkpoint_attention: bool = True,
@@ -245,7 +323,7 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
     in backward (memory linear in depth, one chunk of logits at a time) or keep them (no second
     pass: cheaper where compute, not memory, is short, as on CPUs).
     loss_steps: only steps 0..loss_steps-1 enter the loss (default: all); the steps past them
-    are unrolled and measured only (train.evaluate's probe past the trained depth).
+    are unrolled and measured only (loop.evaluate's probe past the trained depth).
     cod_ratio < 1: COD sampling (P-EAGLE's conditional drop-token): step k >= 1 runs on a share
     deep_fraction * cod_ratio**(k-1) of the positions, never below cod_min (nor above
     deep_fraction), each step's positions a uniform subset of the step before's.
@@ -271,44 +349,18 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
 
     drafter = getattr(model, "module", model)
     parallel = drafter.config.parallel
-    dtype = drafter.fc.weight.dtype
     ids = batch["input_ids"].long()                                        # [B, S]
     b, s = ids.shape
     real = batch["attention_mask"].bool()                                  # [B, S]
-    aux = batch["aux_hidden_states"].to(dtype)
-    aux = aux.reshape(b, s, -1)                                            # [B, S, 3H]
-
-    # Teacher, once per batch, only where some step can use it: u = t+1+k >= 1, masked in.
-    wanted = batch["loss_mask"].bool() & real                              # [B, S]
-    wanted[:, 0] = False
-    greedy = batch.get("target_ids")          # the verifier's argmax, stored at extraction
-    if targets == "hard" and greedy is not None:                           # no teacher needed
-        top = greedy[wanted]                                               # [M] target ids
-        in_draft = drafter.t2d[top]                                        # [M]
-        teacher_top = (drafter.t2d.cumsum(0) - 1)[top].clamp(min=0)        # [M] draft ids
-    else:
-        p_rows, in_draft = teacher(batch["last_hidden_states"][wanted], check=greedy is None)
-        if greedy is not None:                                             # [M, Vd], [M]
-            in_draft = drafter.t2d[greedy[wanted]]
-        teacher_top = p_rows.argmax(-1)                                    # [M]
-    target = p_rows if targets == "soft" else teacher_top                  # [M, Vd] or [M]
-    # agree[u]: the data's next token is the verifier's greedy token at u, and that token is in
-    # the draft vocab. A served chain continues only along such tokens (the next draft step is
-    # fed the accepted draft, i.e. the greedy token), so only where the data agreed does a
-    # teacher-forced step past u see what a served one sees.
-    agree = torch.zeros_like(wanted)                                       # [B, S]
-    agree[wanted] = in_draft & (shift_left(ids, 1, -1)[wanted]
-                                == drafter.draft_to_target(teacher_top))
-    target_row = torch.full((b, s), -1, dtype=torch.long, device=ids.device)
-    target_row[wanted] = torch.arange(len(teacher_top), device=ids.device)  # every valid target
-    learn_row = target_row.clone()                                         # in-vocab ones only
-    learn_row[wanted] = torch.where(in_draft, target_row[wanted], -1)
+    aux = batch["aux_hidden_states"].to(drafter.fc.weight.dtype).reshape(b, s, -1)  # [B, S, 3H]
+    tg = Targets.of(drafter, teacher, batch, targets)
+    target, teacher_top, target_row, learn_row, agree = (
+        tg.target, tg.teacher_top, tg.target_row, tg.learn_row, tg.agree)
 
     positions = torch.arange(s, device=ids.device)[None].expand(b, s)     # [B, S]
     attend = DiagonalAttention(real, checkpoint_attention)
     hidden, losses = aux, []
-    chain = torch.ones(b, s, dtype=torch.bool, device=ids.device)          # steps < k all right
-    sums = {key: [] for key in COUNT_KEYS}
+    sums = StepSums(torch.ones(b, s, dtype=torch.bool, device=ids.device))  # steps < k right
     keep = None           # once deep steps run on fewer rows ([B, n]: `positions` holds each
                           # row's t): which rows are real, not another row's padding
     for k in range(ttt_steps):
@@ -328,35 +380,20 @@ def ttt_loss(model, teacher, batch: dict, ttt_steps: int, step_weight_decay: flo
             hidden = model(tokens, hidden, positions + k, attend=attend)   # [B, S|n, H]
         loss_sum, pred = _step_loss(drafter, hidden, learn, target, chunk_size,
                                     checkpoint_logits)
-        valid, learnable = rows >= 0, learn >= 0
-        losses.append(loss_sum / learnable.sum().clamp(min=1))
-        with torch.no_grad():  # counts stay tensors: one device sync at the end
-            ok = torch.zeros_like(valid)
-            ok[learnable] = pred == teacher_top[learn[learnable]]          # in vocab & correct
-            sums["count"].append(valid.sum())
-            sums["correct"].append(ok.sum())
-            sums["cond_count"].append((valid & chain).sum())
-            chain = chain & ok
-            sums["all_correct"].append(chain.sum())
-            chain = chain & agree_k        # step k+1 is conditioned on a served-like chain only
-            sums["loss_count"].append(learnable.sum())
-            sums["loss_sum"].append(loss_sum.detach().double())
+        losses.append(loss_sum / (learn >= 0).sum().clamp(min=1))
+        sums.add(rows, learn, pred, teacher_top, agree_k, loss_sum)
         if k + 1 < ttt_steps and deep_share(k + 1) < deep_share(k):       # fewer rows from k+1
-            useful = torch.zeros_like(valid)      # some step from k+1 on has a loss there
+            useful = torch.zeros_like(agree_k)    # some step from k+1 on has a loss there
             for j in range(k + 1, ttt_steps):
                 useful |= shift_left(learn_row, 1 + j, -1).gather(1, positions) >= 0
             if keep is not None:
                 useful &= keep
             sub, keep = deep_selection(useful, deep_share(k + 1) / deep_share(k), generator)
             hidden = hidden.gather(1, sub[..., None].expand(-1, -1, hidden.shape[-1]))
-            positions, chain = (x.gather(1, sub) for x in (positions, chain))  # [B, n']
+            positions, sums.chain = (x.gather(1, sub) for x in (positions, sums.chain))
             attend.select(sub, positions)
     weights = [step_weight_decay ** k for k in range(min(ttt_steps, loss_steps or ttt_steps))]
-    loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
-    sums = {key: torch.stack(v).tolist() for key, v in sums.items()}       # [K] each
-    metrics = summarize(sums)
-    metrics["loss"] = float(loss.detach())
-    return loss, metrics
+    return sums.metrics(losses, weights)
 
 
 def accept_lengths(cond_acc: list[float]) -> list[float]:

@@ -9,7 +9,7 @@ from eagle3_ray.bench import serving as bench_serve
 from eagle3_ray.data import conversations as data
 from eagle3_ray.engine import hf as verifier
 from eagle3_ray.serve import kernels, speculate
-from eagle3_ray.train import checkpoint, draft
+from eagle3_ray.train import checkpoint, kinds
 
 
 @pytest.fixture
@@ -18,8 +18,10 @@ def fp32(monkeypatch):
     monkeypatch.setenv("EAGLE3_RAY_NATIVE_BF16", "0")
 
 
-def save_untrained(spec: str, out: str, drafting: str = "chain", cond: float = 0.5) -> str:
-    drafter, _ = draft.untrained_drafter(spec, draft_vocab_size=2000, drafting=drafting)
+def save_untrained(spec: str, out: str, drafting: str = "chain", cond: float = 0.5,
+                   **config) -> str:
+    drafter, _ = kinds.untrained_drafter(spec, draft_vocab_size=2000, drafting=drafting,
+                                         **config)
     state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
     final = {f"eval/cond_acc_{k}": cond for k in range(4)}   # the dynamic-depth prior
     checkpoint.save_drafter(out, state, drafter.config,
@@ -132,25 +134,37 @@ def test_bench_serve_leaves_out_tree_arms_its_host_cannot_run_exactly(
     assert f"tree arms {left_out} left out" in capsys.readouterr().out
 
 
-def test_bench_serve_parallel_drafter_arms(fp32, tiny_verifier, drafter_dir, tmp_path, one_thread):
-    """--parallel-drafter: arms parallel{d} decode with the parallel drafter on the same verifier
-    in the same interleaved run, exactly (output = depth 0's), one drafter forward a round; the
-    teacher-forced acceptance of both drafters is reported beside; a chain drafter is refused."""
+def test_bench_serve_parallel_and_block_drafter_arms(fp32, tiny_verifier, drafter_dir, tmp_path,
+                                                     one_thread):
+    """--parallel-drafter / --block-drafter: arms parallel{d} / block{d} decode with those
+    drafters on the same verifier in the same interleaved run, exactly (output = depth 0's), one
+    drafter forward a round (a block drafter up to its block size: no block4 for a block of 2);
+    each kind gets its own served acceptance and planner prediction (the block's priced with
+    its measured forward, draft_block_ms by query slots), the teacher-forced acceptance of all
+    three beside; a chain drafter is refused."""
     par = save_untrained(tiny_verifier, str(tmp_path / "parallel"), "parallel", cond=0.3)
+    blk = save_untrained(tiny_verifier, str(tmp_path / "block"), "block", cond=0.4,
+                         block_size=2, block_layers=2)
     out = str(tmp_path / "bench")
     r = bench_serve.bench_serve(drafter_dir, depths=(0, 2, 4), prompts=1, max_tokens=8,
                                 out_dir=out, spec=tiny_verifier, dynamic=False, peers=False,
-                                lookup_depths=(), parallel_drafter=par)
-    assert r["all_identical"] and r["parallel_drafter"] == par
-    for d in (2, 4):
-        row = r["runs"][f"parallel{d}"]
-        assert row["parallel_depth"] == d and row["mean_depth"] == d and row["rounds"] > 0
+                                lookup_depths=(), parallel_drafter=par, block_drafter=blk)
+    assert r["all_identical"] and r["parallel_drafter"] == par and r["block_drafter"] == blk
+    assert "block4" not in r["runs"]
+    for kind, d in (("parallel", 2), ("parallel", 4), ("block", 2)):
+        row = r["runs"][f"{kind}{d}"]
+        assert row[f"{kind}_depth"] == d and row["mean_depth"] == d and row["rounds"] > 0
+        assert row["drafting"] == kind
         assert row["drafted_per_position"][:d] == [row["rounds"]] * d
         assert row["predicted_tokens_per_s"] > 0 and "predicted_error" in row
     plan = r["planner"]["parallel"]
     assert len(plan["cond_acc"]) == 4 and plan["why"] and plan["max_abs_error"] >= 0
+    assert len(r["planner"]["block"]["cond_acc"]) == 2
+    assert sorted(r["planner"]["profile"]["draft_block_ms"]) == [3]       # 2 drafts: 3 slots
     assert r["best_parallel"] in ("parallel2", "parallel4") and "parallel_note" in r
-    assert r["teacher_forced"] == {"chain": [0.5] * 4, "parallel": [0.3] * 4}
+    assert r["best_block"] == "block2" and "block_note" in r
+    assert r["teacher_forced"] == {"chain": [0.5] * 4, "parallel": [0.3] * 4,
+                                   "block": [0.4] * 4}
     assert os.path.getsize(os.path.join(out, "serve.png")) > 0
     with pytest.raises(ValueError, match="not a parallel drafter"):
         bench_serve.bench_serve(drafter_dir, depths=(0, 2), prompts=1, max_tokens=4, out_dir=out,

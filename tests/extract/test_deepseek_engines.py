@@ -116,7 +116,8 @@ def test_vllm_cpu_rotary_kernel_misreads_mla_views():
 def test_kimi_wrapper_extracts_as_its_text_model_and_trains(ray_cluster, kimi_verifier,
                                                            deepseek_verifier, tmp_path):
     from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
-    from eagle3_ray.train.trainer import TrainConfig, run_train
+    from eagle3_ray.train.config import TrainConfig
+    from eagle3_ray.train.trainer import run_train
     convs = tmp_path / "convs.json"
     convs.write_text(json.dumps(make_conversations(8)))
     runs = {}

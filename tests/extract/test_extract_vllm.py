@@ -101,7 +101,7 @@ def test_online_training_on_the_vllm_engine(ray_cluster, deepseek_verifier, tmp_
     """On the DeepSeek-shaped verifier (the Llama's vLLM states are the same code path, checked
     equal to HF's above)."""
     from eagle3_ray.train import online
-    from eagle3_ray.train.trainer import TrainConfig
+    from eagle3_ray.train.config import TrainConfig
     convs = tmp_path / "convs.json"
     convs.write_text(json.dumps(make_conversations(24)))
     e = ExtractConfig(verifier=deepseek_verifier, inputs=[str(convs)], max_length=96, batch_rows=8,

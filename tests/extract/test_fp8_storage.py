@@ -172,7 +172,8 @@ def test_a_format_2_dataset_without_the_storage_fact_still_reads(datasets, tiny_
 
 
 def test_training_runs_on_an_fp8_dataset(datasets, tiny_verifier, tmp_path):
-    from eagle3_ray.train.trainer import TrainConfig, evaluate_drafter, run_train
+    from eagle3_ray.train.config import TrainConfig
+    from eagle3_ray.train.trainer import evaluate_drafter, run_train
     f8_dir, _ = datasets["fp8_e4m3"]
     out = tmp_path / "run"
     run_train(TrainConfig(dataset=f8_dir, output=str(out), verifier=tiny_verifier, ttt_steps=2,

@@ -8,22 +8,22 @@ import pytest
 import torch
 import yaml
 
-from eagle3_ray.plan import planner as P
+from eagle3_ray.plan import acceptance, cost, profiles
 
 PCIE = "pcie-8x-rtx-pro-6000-kimi-k2.5"
 PCIE_CURVE = PCIE + "-allreduce-curve"
 
 
-def node(**kw) -> P.NodeProfile:
+def node(**kw) -> profiles.NodeProfile:
     """4 GPUs, 10 all-reduces a verify at α = 50 µs, 10 GB/s, H = 1000, B = 2: one all-reduce
     of t tokens = 50 µs + 2·3/4 · t·2000 B / 10 GB/s = (50 + 0.3 t) µs. Verify 9 + t ms, draft
     step 1 ms, 4 collectives a drafter forward, a k-token forward 1.0 ms at 1, 1.8 ms at 17."""
     d = dict(name="tp4", description="test", sources=["hand"], gpus=4,
-             interconnect=P.Interconnect(50.0, 10.0, 10, 1000, 2),
+             interconnect=profiles.Interconnect(50.0, 10.0, 10, 1000, 2),
              verify_ms={1: 10.0, 33: 42.0}, draft_step_ms=1.0, draft_collectives=4,
              draft_parallel_ms={1: 1.0, 17: 1.8})
     d.update(kw)
-    return P.NodeProfile(**d)
+    return profiles.NodeProfile(**d)
 
 
 def ar_us(t: int) -> float:
@@ -36,30 +36,30 @@ def test_chain_pays_collectives_per_forward_parallel_once():
     p = node()
     for k in (1, 4, 16):
         # chain: k forwards, each 4 collectives of one token
-        assert P.draft_round_comm_s(p, k, "chain") == pytest.approx(k * 4 * ar_us(1) * 1e-6)
-        assert P.draft_round_s(p, k, "chain") == pytest.approx(k * (1e-3 + 4 * ar_us(1) * 1e-6))
+        assert cost.draft_round_comm_s(p, k, "chain") == pytest.approx(k * 4 * ar_us(1) * 1e-6)
+        assert cost.draft_round_s(p, k, "chain") == pytest.approx(k * (1e-3 + 4 * ar_us(1) * 1e-6))
         # parallel: one forward of k tokens, its 4 collectives once (messages of k tokens)
-        assert P.draft_round_comm_s(p, k, "parallel") == pytest.approx(4 * ar_us(k) * 1e-6)
+        assert cost.draft_round_comm_s(p, k, "parallel") == pytest.approx(4 * ar_us(k) * 1e-6)
         t_par = 1.0 + 0.8 * (k - 1) / 16                                  # ms, interpolated
-        assert P.draft_round_s(p, k, "parallel") == pytest.approx(
+        assert cost.draft_round_s(p, k, "parallel") == pytest.approx(
             t_par * 1e-3 + 4 * ar_us(k) * 1e-6)
-    chain = [P.draft_round_comm_s(p, k, "chain") for k in range(1, 17)]
-    par = [P.draft_round_comm_s(p, k, "parallel") for k in range(1, 17)]
+    chain = [cost.draft_round_comm_s(p, k, "chain") for k in range(1, 17)]
+    par = [cost.draft_round_comm_s(p, k, "parallel") for k in range(1, 17)]
     assert chain[15] == pytest.approx(16 * chain[0])                    # grows with k
     assert par[15] < 1.1 * par[0]                                       # only the message grows
-    assert P.draft_round_s(p, 0, "chain") == P.draft_round_s(p, 0, "parallel") == 0.0
-    assert P.round_s(p, 3, "parallel") == pytest.approx(
-        P.draft_round_s(p, 3, "parallel") + P.verify_s(p, 4))
+    assert cost.draft_round_s(p, 0, "chain") == cost.draft_round_s(p, 0, "parallel") == 0.0
+    assert cost.round_s(p, 3, "parallel") == pytest.approx(
+        cost.draft_round_s(p, 3, "parallel") + cost.verify_s(p, 4))
     # a round's row in plan(): the drafter's collectives counted and split out
-    r = P.plan([0.8] * 8, p, 8, drafting="chain")["depths"][4]
+    r = cost.plan([0.8] * 8, p, 8, drafting="chain")["depths"][4]
     assert r["draft_collectives"] == 16 and r["draft_comm_ms"] == pytest.approx(16 * ar_us(1) / 1e3)
-    r = P.plan([0.8] * 8, p, 8, drafting="parallel")["depths"][4]
+    r = cost.plan([0.8] * 8, p, 8, drafting="parallel")["depths"][4]
     assert r["draft_collectives"] == 4 and r["draft_comm_ms"] == pytest.approx(4 * ar_us(4) / 1e3)
     one_gpu = node(gpus=1)                                   # no interconnect: no collectives
-    assert P.draft_round_comm_s(one_gpu, 8, "chain") == P.draft_round_comm_s(one_gpu, 8,
+    assert cost.draft_round_comm_s(one_gpu, 8, "chain") == cost.draft_round_comm_s(one_gpu, 8,
                                                                               "parallel") == 0
     with pytest.raises(ValueError, match="drafting must be one of"):
-        P.draft_round_s(p, 2, "tree")
+        cost.draft_round_s(p, 2, "tree")
 
 
 def test_without_collectives_and_equal_draft_time_the_kinds_differ_only_by_acceptance():
@@ -67,32 +67,32 @@ def test_without_collectives_and_equal_draft_time_the_kinds_differ_only_by_accep
     every depth, so one acceptance gives one plan, and two give plans apart only in E[τ]."""
     p = node(draft_collectives=0, draft_parallel_ms={k: 1.0 * k for k in range(1, 33)})
     for k in range(0, 17):
-        assert P.round_s(p, k, "parallel") == pytest.approx(P.round_s(p, k, "chain"))
+        assert cost.round_s(p, k, "parallel") == pytest.approx(cost.round_s(p, k, "chain"))
     acc = [0.9, 0.8, 0.7, 0.6]
-    ch = P.plan(acc, p, 8, drafting="chain")
-    pa = P.plan(acc, p, 8, drafting="parallel")
+    ch = cost.plan(acc, p, 8, drafting="chain")
+    pa = cost.plan(acc, p, 8, drafting="parallel")
     for a, b in zip(ch["depths"], pa["depths"]):
         assert a["round_ms"] == pytest.approx(b["round_ms"])
         assert a["speedup"] == pytest.approx(b["speedup"])
     assert ch["best_depth"] == pa["best_depth"]
-    lower = P.plan([0.7, 0.6, 0.5, 0.4], p, 8, drafting="parallel")
+    lower = cost.plan([0.7, 0.6, 0.5, 0.4], p, 8, drafting="parallel")
     assert [r["round_ms"] for r in lower["depths"]] == pytest.approx(
         [r["round_ms"] for r in ch["depths"]])
     assert all(x["accept_len"] < y["accept_len"] for x, y in zip(lower["depths"][1:],
                                                                  ch["depths"][1:]))
     # with the collectives back on, the same acceptance is cheaper drafted in parallel
     q = dataclasses.replace(p, draft_collectives=4)
-    assert all(P.round_s(q, k, "parallel") < P.round_s(q, k, "chain") for k in range(2, 17))
+    assert all(cost.round_s(q, k, "parallel") < cost.round_s(q, k, "chain") for k in range(2, 17))
 
 
 def test_parallel_forward_without_a_measured_table_is_modelled_flat_and_warned():
     p = node(draft_parallel_ms=None)
-    assert P.draft_parallel_compute_s(p, 1) == P.draft_parallel_compute_s(p, 16) == 1e-3
-    r = P.plan([0.8] * 4, p, 8, drafting="parallel")
+    assert cost.draft_parallel_compute_s(p, 1) == cost.draft_parallel_compute_s(p, 16) == 1e-3
+    r = cost.plan([0.8] * 4, p, 8, drafting="parallel")
     assert any("modelled flat" in w for w in r["warnings"])
-    assert not any("modelled flat" in w for w in P.plan([0.8] * 4, node(), 8,
+    assert not any("modelled flat" in w for w in cost.plan([0.8] * 4, node(), 8,
                                                         drafting="parallel")["warnings"])
-    assert any("extrapolated linearly" in w for w in P.plan([0.8] * 4, node(), 32,
+    assert any("extrapolated linearly" in w for w in cost.plan([0.8] * 4, node(), 32,
                                                             drafting="parallel")["warnings"])
 
 
@@ -101,48 +101,49 @@ def test_parallel_forward_without_a_measured_table_is_modelled_flat_and_warned()
 def test_old_profiles_with_draft_allreduces_still_load(tmp_path):
     p = node()
     path = tmp_path / "new.yaml"
-    P.save_profile(p, str(path))
+    profiles.save_profile(p, str(path))
     d = yaml.safe_load(open(path))
     assert d["draft_collectives"] == 4 and "draft_allreduces" not in d
     assert d["draft_parallel_ms"] == {1: 1.0, 17: 1.8}
-    assert P.load_profile(str(path)) == p
+    assert profiles.load_profile(str(path)) == p
     # a file from before: draft_allreduces, no draft_collectives, no draft_parallel_ms
     old = dict(d)
     del old["draft_collectives"], old["draft_parallel_ms"]
     old["draft_allreduces"] = 3
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
-    q = P.load_profile(str(tmp_path / "old.yaml"))
+    q = profiles.load_profile(str(tmp_path / "old.yaml"))
     assert q.draft_collectives == 3 and q.draft_parallel_ms is None
-    assert P.draft_s(q) == pytest.approx(1e-3 + 3 * ar_us(1) * 1e-6)
+    assert cost.draft_s(q) == pytest.approx(1e-3 + 3 * ar_us(1) * 1e-6)
     del old["draft_allreduces"]                                   # older still: neither
     (tmp_path / "older.yaml").write_text(yaml.safe_dump(old))
-    assert P.load_profile(str(tmp_path / "older.yaml")).draft_collectives == 0
+    assert profiles.load_profile(str(tmp_path / "older.yaml")).draft_collectives == 0
     # a packaged profile as it was written before this change loads and plans
-    pk = yaml.safe_load(open(P.profile_path(PCIE)))
+    pk = yaml.safe_load(open(profiles.profile_path(PCIE)))
     del pk["draft_collectives"], pk["draft_parallel_ms"]
     pk["draft_allreduces"] = 0
     (tmp_path / "pk.yaml").write_text(yaml.safe_dump(pk))
-    assert P.plan([0.8] * 4, P.load_profile(str(tmp_path / "pk.yaml")), 8)["best_depth"] >= 1
+    pk = profiles.load_profile(str(tmp_path / "pk.yaml"))
+    assert cost.plan([0.8] * 4, pk, 8)["best_depth"] >= 1
     for bad, why in (({"draft_allreduces": 3, "draft_collectives": 4}, "disagree"),
                      ({"draft_parallel_ms": {"4": 1.0}}, "draft_parallel_ms: tokens must be"),
                      ({"draft_parallel_ms": {4: -1.0}}, "must be a number"),
                      ({"draft_parallel_ms": {}}, "non-empty mapping")):
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump(dict(d, **bad)))
         with pytest.raises(ValueError, match=why):
-            P.load_profile(str(tmp_path / "bad.yaml"))
+            profiles.load_profile(str(tmp_path / "bad.yaml"))
 
 
 def test_packaged_pcie_profile_draft_terms():
     """The packaged PCIe profile: a TP-8 drafter (0.22 ms) with 4 collectives of 41.6 µs a
     forward (α/β at one token of H = 7168): a 16-deep chain pays 64 of them, a parallel
     round 4."""
-    p = P.load_profile(PCIE)
+    p = profiles.load_profile(PCIE)
     one = 40.0 + 1.75 * 14336 / 16e9 * 1e6                              # µs
-    assert P.draft_s(p) == pytest.approx(0.22e-3 + 4 * one * 1e-6)
-    row = P.plan([0.8] * 16, p, 16)["depths"][16]
+    assert cost.draft_s(p) == pytest.approx(0.22e-3 + 4 * one * 1e-6)
+    row = cost.plan([0.8] * 16, p, 16)["depths"][16]
     assert row["draft_collectives"] == 64
     assert row["draft_comm_ms"] == pytest.approx(64 * one / 1e3)
-    prow = P.plan([0.8] * 16, p, 16, drafting="parallel")["depths"][16]
+    prow = cost.plan([0.8] * 16, p, 16, drafting="parallel")["depths"][16]
     assert prow["draft_collectives"] == 4 and prow["draft_ms"] < 0.5 * row["draft_ms"]
 
 
@@ -152,43 +153,44 @@ def test_choose_parallel_when_acceptance_equal_and_collectives_costly():
     """Same compute per draft (a k-token forward = k steps), 4 collectives of 500 µs a drafter
     forward: at equal acceptance only the collectives differ, and the parallel round pays them
     once; without collectives it is a tie, which the chain keeps."""
-    slow = P.Interconnect(500.0, 10.0, 10, 1000, 2)
+    slow = profiles.Interconnect(500.0, 10.0, 10, 1000, 2)
     p = node(interconnect=slow, draft_parallel_ms={k: 1.0 * k for k in range(1, 33)})
     acc = [0.8] * 16
     both = {"chain": (acc, 16, "chain list"), "parallel": (acc, 16, "parallel list")}
-    c = P.choose_drafting(p, both, 16)
+    c = cost.choose_drafting(p, both, 16)
     assert c["choice"] == "parallel"
     assert c["kinds"]["parallel"]["tokens_per_s"] > c["kinds"]["chain"]["tokens_per_s"]
     assert "cost dominated" in c["why"]
     assert c["attribution"]["acceptance_gain"] == pytest.approx(1.0)   # the same curve
     assert c["attribution"]["cost_gain"] > 1
     assert c["plans"]["parallel"]["acceptance"]["source"] == "parallel list"
-    free = P.choose_drafting(dataclasses.replace(p, draft_collectives=0), both, 16)
+    free = cost.choose_drafting(dataclasses.replace(p, draft_collectives=0), both, 16)
     assert free["choice"] == "chain" and "tie" in free["why"]
 
 
 def test_choose_chain_when_its_acceptance_is_much_higher_and_collectives_free():
     p = node(draft_collectives=0)                            # parallel forward still cheaper
-    c = P.choose_drafting(p, {"chain": ([0.9] * 16, 16, "c"), "parallel": ([0.5] * 16, 16, "p")},
+    c = cost.choose_drafting(p, {"chain": ([0.9] * 16, 16, "c"), "parallel": ([0.5] * 16, 16, "p")},
                           16)
     assert c["choice"] == "chain" and "acceptance dominated" in c["why"]
     ch, pa = c["kinds"]["chain"], c["kinds"]["parallel"]
     assert ch["accept_len"] > pa["accept_len"] and ch["round_ms"] > pa["round_ms"]
     # the same curves with costly collectives and a near-chain parallel acceptance flip it
-    q = node(interconnect=P.Interconnect(500.0, 10.0, 10, 1000, 2))
-    c = P.choose_drafting(q, {"chain": ([0.9] * 16, 16, "c"), "parallel": ([0.88] * 16, 16, "p")},
+    q = node(interconnect=profiles.Interconnect(500.0, 10.0, 10, 1000, 2))
+    c = cost.choose_drafting(q, {"chain": ([0.9] * 16, 16, "c"),
+                                 "parallel": ([0.88] * 16, 16, "p")},
                           16)
     assert c["choice"] == "parallel"
 
 
 def test_one_kind_given_is_priced_alone_with_a_labelled_what_if():
-    c = P.choose_drafting(node(), {"parallel": ([0.7] * 8, 8, "p")}, 8)
+    c = cost.choose_drafting(node(), {"parallel": ([0.7] * 8, 8, "p")}, 8)
     assert c["choice"] == "parallel" and set(c["plans"]) == {"parallel"}
     assert set(c["what_if"]) == {"chain"} and "WHAT-IF" in c["what_if"]["chain"]["acceptance"][
         "source"]
     assert "WHAT-IF, not a choice" in c["why"] and "Only parallel" in c["why"]
     with pytest.raises(ValueError, match="acceptance must be given"):
-        P.choose_drafting(node(), {"tree": ([0.7], 1, "x")})
+        cost.choose_drafting(node(), {"tree": ([0.7], 1, "x")})
 
 
 # --- acceptance sources and the command -----------------------------------------------------------
@@ -207,12 +209,13 @@ def drafter_dir(path, drafting: str | None, cond: list[float]):
 def test_drafting_of_reads_the_draft_config(tmp_path):
     par = drafter_dir(tmp_path / "par", "parallel", [0.6, 0.5])
     old = drafter_dir(tmp_path / "old", None, [0.7, 0.6])
-    assert P.drafting_of(par) == "parallel" and P.drafting_of(old) == "chain"
+    assert acceptance.drafting_of(par) == "parallel" and acceptance.drafting_of(old) == "chain"
     run = tmp_path / "run"
     run.mkdir()
     drafter_dir(run / "drafter", "parallel", [0.6])
-    assert P.drafting_of(str(run)) == "parallel"                     # a run dir: its drafter
-    assert P.drafting_of("0.8,0.7") is None and P.drafting_of(str(tmp_path / "x.json")) is None
+    assert acceptance.drafting_of(str(run)) == "parallel"            # a run dir: its drafter
+    assert acceptance.drafting_of("0.8,0.7") is None
+    assert acceptance.drafting_of(str(tmp_path / "x.json")) is None
 
 
 def test_plan_cli_chain_and_parallel(tmp_path, capsys):
@@ -228,7 +231,7 @@ def test_plan_cli_chain_and_parallel(tmp_path, capsys):
     assert set(dc["kinds"]) == {"chain", "parallel"} and not dc["what_if"]
     assert dc["choice"] == r["drafting"] == "chain"                  # far higher acceptance
     assert r["other_kind"]["drafting"] == "parallel"
-    assert r["best_depth"] == P.best_depth([0.7, 0.6, 0.5], P.load_profile(PCIE), 8)
+    assert r["best_depth"] == cost.best_depth([0.7, 0.6, 0.5], profiles.load_profile(PCIE), 8)
     printed = capsys.readouterr().out
     assert "drafting: chain at depth" in printed and "beats parallel" in printed
     # a parallel drafter dir given as --acceptance is priced as parallel, the chain a what-if
@@ -265,8 +268,8 @@ def _recording(drafter):
 
 def test_measure_draft_parallel_tiny_drafter(tiny_verifier, one_thread):
     from eagle3_ray.serve.profile import measure_draft_parallel
-    from eagle3_ray.train import draft
-    drafter = draft.untrained_drafter(tiny_verifier, 1000)[0].eval()
+    from eagle3_ray.train import kinds
+    drafter = kinds.untrained_drafter(tiny_verifier, 1000)[0].eval()
     calls = _recording(drafter)
     ms = measure_draft_parallel(drafter, ks=(16, 1, 4, 2, 8), context=16, reps=3)
     assert list(ms) == [1, 2, 4, 8, 16]
@@ -281,10 +284,10 @@ def test_measure_draft_parallel_tiny_drafter(tiny_verifier, one_thread):
 
 def test_measure_draft_parallel_parallel_drafter_uses_mask_slots(tiny_verifier, one_thread):
     from eagle3_ray.serve.profile import measure_draft_parallel
-    from eagle3_ray.train import draft
+    from eagle3_ray.train import draft, kinds
     if not hasattr(draft.DraftConfig, "parallel"):
         pytest.skip("this DraftConfig has no parallel drafting")
-    base = draft.untrained_drafter(tiny_verifier, 1000)[0]
+    base = kinds.untrained_drafter(tiny_verifier, 1000)[0]
     drafter = draft.Eagle3Drafter(dataclasses.replace(base.config, drafting="parallel")).eval()
     calls = _recording(drafter)
     ms = measure_draft_parallel(drafter, ks=(1, 4, 8), context=8, reps=2)
@@ -298,27 +301,27 @@ def test_measure_profile_carries_the_k_token_forward(tiny_verifier, tmp_path, on
                         parallel_ks=(1, 4, 16))
     assert sorted(p.draft_parallel_ms) == [1, 4, 16] and p.draft_collectives == 0
     path = str(tmp_path / "tiny.yaml")
-    P.save_profile(p, path)
-    q = P.load_profile(path)
-    assert q == p and P.draft_round_s(q, 4, "parallel") == pytest.approx(
+    profiles.save_profile(p, path)
+    q = profiles.load_profile(path)
+    assert q == p and cost.draft_round_s(q, 4, "parallel") == pytest.approx(
         p.draft_parallel_ms[4] / 1e3)                                  # one device: no comm
 
 
 # --- the sweep ----------------------------------------------------------------------------------
 
 def test_parallel_from_chain_uses_the_reported_ratios():
-    assert P.PARALLEL_FIRST_RATIO == pytest.approx(0.8873, abs=1e-4)
-    assert P.PARALLEL_REST_RATIO == pytest.approx(0.8740, abs=1e-4)
+    assert acceptance.PARALLEL_FIRST_RATIO == pytest.approx(0.8873, abs=1e-4)
+    assert acceptance.PARALLEL_REST_RATIO == pytest.approx(0.8740, abs=1e-4)
     # EAGLE-3's reported 71%, 49% -> P-EAGLE's 63%, 38% (unconditional)
-    cond = P.parallel_from_chain([0.71, 0.49 / 0.71])
+    cond = acceptance.parallel_from_chain([0.71, 0.49 / 0.71])
     assert cond[0] == pytest.approx(0.63) and cond[0] * cond[1] == pytest.approx(0.38)
-    assert P.parallel_from_chain([1.0, 1.0], 1.2, 1.2) == [1.0, 1.0]     # capped at 1
+    assert acceptance.parallel_from_chain([1.0, 1.0], 1.2, 1.2) == [1.0, 1.0]     # capped at 1
 
 
 def test_sweep_kinds_json_shape_and_cli(tmp_path, capsys):
     from eagle3_ray import cli
-    pcie = P.load_profile(PCIE)
-    r = P.sweep_drafting([0.5, 0.7, 0.9], [pcie], 32)
+    pcie = profiles.load_profile(PCIE)
+    r = cost.sweep_drafting([0.5, 0.7, 0.9], [pcie], 32)
     assert r["kind"] == "sweep_drafting" and r["profiles"] == [PCIE]
     assert len(r["rows"]) == 6
     assert [(x["draft_collectives"], x["acceptance"]) for x in r["rows"]] == [
@@ -326,11 +329,15 @@ def test_sweep_kinds_json_shape_and_cli(tmp_path, capsys):
     keys = {"best_depth", "speedup", "tokens_per_s", "accept_len", "round_ms", "draft_ms",
             "draft_comm_ms", "draft_collectives"}
     for x in r["rows"]:
-        assert keys <= set(x["chain"]) and keys <= set(x["parallel"])
+        assert all(keys <= set(x[k]) for k in cost.DRAFTING)
         assert keys <= set(x["parallel_at_chain_acceptance"])
-        assert x["pick"] == max(("chain", "parallel"), key=lambda k: (x[k]["tokens_per_s"],
-                                                                      k == "chain"))
+        assert keys <= set(x["block_at_chain_acceptance"])
+        assert x["pick"] == max(cost.DRAFTING, key=lambda k: (x[k]["tokens_per_s"],
+                                                               -cost.DRAFTING.index(k)))
+        assert x["block"]["best_depth"] <= cost.BLOCK_SIZE          # a block drafts <= 16
+        assert x["block_collectives"] == (6 if x["draft_collectives"] else 0)
         assert x["dominated"] in ("acceptance", "cost", "tie")
+        assert x["decided_by"] in ("acceptance", "cost", "tie")
         if x["dominated"] != "tie":
             assert max(x["acceptance_gain"], x["cost_gain"]) > 1
         # the parallel kind's own (lower) acceptance never beats it at the chain's
@@ -344,7 +351,8 @@ def test_sweep_kinds_json_shape_and_cli(tmp_path, capsys):
         assert lost_chain > lost_par
     # docs/plan.md's table: at a = 0.9 with collectives the chain serves depth 8 (x2.73)
     assert (on[0.9]["chain"]["best_depth"], round(on[0.9]["chain"]["speedup"], 2)) == (8, 2.73)
-    assert on[0.9]["pick"] == "chain"
+    # the block drafter's derived (ASSUMED x1.084) acceptance wins it at a = 0.9
+    assert on[0.9]["pick"] == "block" and on[0.9]["decided_by"] == "acceptance"
     out = tmp_path / "sk"
     rc = cli.main(["plan", "--sweep-kinds", "0.5", "0.9", "--profile", PCIE,
                    "--compare", PCIE_CURVE, "--out", str(out)])
@@ -352,9 +360,9 @@ def test_sweep_kinds_json_shape_and_cli(tmp_path, capsys):
     j = json.load(open(out / "sweep_kinds.json"))
     assert j["profiles"] == [PCIE, PCIE_CURVE] and len(j["rows"]) == 8
     printed = capsys.readouterr().out
-    assert "| 0.9 | 4 | 8 | x2.73 |" in printed and "plan picks" in printed
+    assert "| 0.9 | 4 | 6 | 8 | x2.73 |" in printed and "plan picks" in printed
     rc = cli.main(["plan", "--sweep-kinds", "0.9", "--profile", PCIE, "--parallel-ratios",
-                   "1.0", "1.0", "--out", str(out)])
+                   "1.0", "1.0", "--block-ratios", "0.5", "0.5", "--out", str(out)])
     assert rc == 0 and json.load(open(out / "sweep_kinds.json"))["rows"][0]["pick"] == "parallel"
     rc = cli.main(["plan", "--sweep-kinds", "1.5", "--profile", PCIE, "--out", str(out)])
     assert rc == 2 and "[0, 1]" in capsys.readouterr().err
@@ -367,8 +375,8 @@ def test_a_bench_serve_json_gives_each_kind_its_own_arms(tmp_path):
     path = tmp_path / "serve.json"
     path.write_text(json.dumps({"bench": "serve", "runs": {}, "planner": {
         "cond_acc": [0.4, 0.3], "parallel": {"cond_acc": [0.3, 0.1]}}}))
-    assert P.acceptance_from(str(path))[0] == [0.4, 0.3]
-    assert P.acceptance_from(str(path), drafting="parallel")[0] == [0.3, 0.1]
+    assert acceptance.acceptance_from(str(path))[0] == [0.4, 0.3]
+    assert acceptance.acceptance_from(str(path), drafting="parallel")[0] == [0.3, 0.1]
     path.write_text(json.dumps({"bench": "serve", "runs": {}, "planner": {"cond_acc": [0.4]}}))
     with pytest.raises(ValueError, match="without parallel arms"):
-        P.acceptance_from(str(path), drafting="parallel")
+        acceptance.acceptance_from(str(path), drafting="parallel")

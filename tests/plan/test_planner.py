@@ -8,27 +8,28 @@ import threading
 import pytest
 import yaml
 
-from eagle3_ray.plan import planner as P
+from eagle3_ray.plan import acceptance, cost, output, profiles
 from eagle3_ray.serve.profile import measure_profile
 
 DECAYING = [round(max(0.05, 0.8 - 0.05 * i), 4) for i in range(32)]   # 0.8, 0.75, 0.7, ...
 
 
-def profile(**kw) -> P.NodeProfile:
+def profile(**kw) -> profiles.NodeProfile:
     """1 GPU (no comm), verify 10/12/16 ms at 1/2/4 tokens (= 8 + 2t ms), draft step 1 ms."""
     d = dict(name="one-gpu", description="test", sources=["hand"], gpus=1,
-             interconnect=P.Interconnect(0.0, 1.0, 0, 1000, 2),
+             interconnect=profiles.Interconnect(0.0, 1.0, 0, 1000, 2),
              verify_ms={1: 10.0, 2: 12.0, 4: 16.0}, draft_step_ms=1.0)
     d.update(kw)
-    return P.NodeProfile(**d)
+    return profiles.NodeProfile(**d)
 
 
 def two_nodes():
     """Same compute (verify 4 + t ms, draft 0.5 ms), 8 GPUs, 100 all-reduces of t·1000·2 B at
     1000 GB/s; PCIe-like α = 40 µs vs NVLink-like α = 5 µs."""
     common = dict(gpus=8, verify_ms={1: 5.0, 33: 37.0}, draft_step_ms=0.5)
-    pcie = profile(name="pcie", interconnect=P.Interconnect(40.0, 1000.0, 100, 1000, 2), **common)
-    nvl = profile(name="nvlink", interconnect=P.Interconnect(5.0, 1000.0, 100, 1000, 2), **common)
+    ic = profiles.Interconnect
+    pcie = profile(name="pcie", interconnect=ic(40.0, 1000.0, 100, 1000, 2), **common)
+    nvl = profile(name="nvlink", interconnect=ic(5.0, 1000.0, 100, 1000, 2), **common)
     return pcie, nvl
 
 
@@ -36,26 +37,26 @@ def two_nodes():
 
 def test_verify_table_interpolates_and_extrapolates_linearly():
     p = profile()
-    assert P.compute_s(p, 1) == pytest.approx(10e-3)
-    assert P.compute_s(p, 3) == pytest.approx(14e-3)           # between 2 and 4
-    assert P.compute_s(p, 6) == pytest.approx(20e-3)           # past 4: slope of (2, 4)
-    assert P.comm_s(p, 5) == 0.0                                # one GPU: no all-reduce
-    assert P.round_s(p, 3) == pytest.approx(3e-3 + 16e-3)       # 3 drafts + verify of 4 tokens
+    assert cost.compute_s(p, 1) == pytest.approx(10e-3)
+    assert cost.compute_s(p, 3) == pytest.approx(14e-3)           # between 2 and 4
+    assert cost.compute_s(p, 6) == pytest.approx(20e-3)           # past 4: slope of (2, 4)
+    assert cost.comm_s(p, 5) == 0.0                                # one GPU: no all-reduce
+    assert cost.round_s(p, 3) == pytest.approx(3e-3 + 16e-3)       # 3 drafts + verify of 4 tokens
 
 
 def test_comm_formula_hand_computed():
-    p = profile(gpus=4, interconnect=P.Interconnect(50.0, 10.0, 10, 1000, 2))
+    p = profile(gpus=4, interconnect=profiles.Interconnect(50.0, 10.0, 10, 1000, 2))
     # 10 · (50 µs + 2·3/4 · t·1000·2 B / 10 GB/s) = 0.5 ms + 3 µs·t
-    assert P.comm_s(p, 1) == pytest.approx(0.503e-3)
-    assert P.comm_s(p, 3) == pytest.approx(0.509e-3)
-    assert P.verify_s(p, 3) == pytest.approx(14e-3 + 0.509e-3)
-    sharded = profile(gpus=4, interconnect=P.Interconnect(50.0, 10.0, 10, 1000, 2),
+    assert cost.comm_s(p, 1) == pytest.approx(0.503e-3)
+    assert cost.comm_s(p, 3) == pytest.approx(0.509e-3)
+    assert cost.verify_s(p, 3) == pytest.approx(14e-3 + 0.509e-3)
+    sharded = profile(gpus=4, interconnect=profiles.Interconnect(50.0, 10.0, 10, 1000, 2),
                       draft_collectives=3)
-    assert P.draft_s(sharded) == pytest.approx(1e-3 + 3 * 50.3e-6)
+    assert cost.draft_s(sharded) == pytest.approx(1e-3 + 3 * 50.3e-6)
 
 
 def test_constant_acceptance_half():
-    r = P.plan([0.5] * 4, profile(), max_depth=4)
+    r = cost.plan([0.5] * 4, profile(), max_depth=4)
     taus = [row["accept_len"] for row in r["depths"]]
     assert taus == pytest.approx([1, 1.5, 1.75, 1.875, 1.9375])
     rounds = [row["round_ms"] for row in r["depths"]]
@@ -68,64 +69,64 @@ def test_constant_acceptance_half():
 
 
 def test_decaying_acceptance():
-    r = P.plan([0.9, 0.6, 0.3], profile(), max_depth=3)
+    r = cost.plan([0.9, 0.6, 0.3], profile(), max_depth=3)
     # p = 0.9, 0.54, 0.162
     assert [x["accept_len"] for x in r["depths"]] == pytest.approx([1, 1.9, 2.44, 2.602])
     assert [x["tokens_per_s"] for x in r["depths"]] == pytest.approx(
         [100, 1.9 / 0.013, 2.44 / 0.016, 2.602 / 0.019])
     assert r["best_depth"] == 2 and r["ttt_steps"] == 2
     assert r["best"]["speedup"] == pytest.approx(2.44 * 10 / 16)
-    assert P.best_depth([0.9, 0.6, 0.3], profile()) == 2
-    assert P.plan([0.01] * 3, profile(), 3)["best_depth"] == 0   # drafting never pays
+    assert cost.best_depth([0.9, 0.6, 0.3], profile()) == 2
+    assert cost.plan([0.01] * 3, profile(), 3)["best_depth"] == 0   # drafting never pays
 
 
 def test_pcie_goes_deeper_than_nvlink_hand_computed():
     pcie, nvl = two_nodes()
     # a = 0.8 constant: E[τ](k) = (1 − 0.8^(k+1)) / 0.2; round = 0.5k + 4 + (k+1) + comm(k+1) ms
     comm5 = 100 * (40e-6 + 2 * 7 / 8 * 5 * 2000 / 1e12)
-    assert P.comm_s(pcie, 5) == pytest.approx(comm5)
-    assert P.round_s(pcie, 4) == pytest.approx(2e-3 + 9e-3 + comm5)
-    rp, rn = P.plan([0.8] * 8, pcie, 8), P.plan([0.8] * 8, nvl, 8)
+    assert cost.comm_s(pcie, 5) == pytest.approx(comm5)
+    assert cost.round_s(pcie, 4) == pytest.approx(2e-3 + 9e-3 + comm5)
+    rp, rn = cost.plan([0.8] * 8, pcie, 8), cost.plan([0.8] * 8, nvl, 8)
     assert rp["depths"][4]["accept_len"] == pytest.approx(3.3616)
     assert rp["depths"][4]["tokens_per_s"] == pytest.approx(3.3616 / (11e-3 + comm5))
     assert rp["best_depth"] == 4 and rn["best_depth"] == 3
     # the reason: a depth-0 round is mostly all-reduce latency on the PCIe node
     assert rp["depths"][0]["comm_ms"] / rp["depths"][0]["round_ms"] > 0.4
     assert rn["depths"][0]["comm_ms"] / rn["depths"][0]["round_ms"] < 0.1
-    assert "communication" in rp["why"] and "pcie" in P.compare_text(rp, rn)
+    assert "communication" in rp["why"] and "pcie" in output.compare_text(rp, rn)
 
 
 def test_best_depth_matches_plan_and_extrapolates():
     pcie, nvl = two_nodes()
     for p in (pcie, nvl, profile()):
         for acc in (DECAYING, [0.9] * 32, [0.5, 0.4]):
-            assert P.best_depth(acc, p, 32) == P.plan(acc, p, 32)["best_depth"]
+            assert cost.best_depth(acc, p, 32) == cost.plan(acc, p, 32)["best_depth"]
 
 
 # --- extrapolation ----------------------------------------------------------------------------
 
 def test_extend_acceptance_is_conservative_and_marked():
-    a, ext = P.extend_acceptance([0.9, 0.8, 0.7], 6)
+    a, ext = acceptance.extend_acceptance([0.9, 0.8, 0.7], 6)
     assert a[:3] == [0.9, 0.8, 0.7] and ext == [False] * 3 + [True] * 3
     assert a[3:] == pytest.approx([0.7 * 0.9, 0.7 * 0.81, 0.7 * 0.729])   # min(last, mean) · 0.9^j
-    a, _ = P.extend_acceptance([0.5, 0.6, 0.95], 10)        # last known above the recent mean
+    a, _ = acceptance.extend_acceptance([0.5, 0.6, 0.95], 10)   # last known above the recent mean
     assert max(a[3:]) <= (0.5 + 0.6 + 0.95) / 3
     import random
     rng = random.Random(0)
     for _ in range(200):
         known = [rng.random() for _ in range(rng.randint(1, 8))]
-        a, ext = P.extend_acceptance(known, 32)
+        a, ext = acceptance.extend_acceptance(known, 32)
         tail = a[len(known):]
         assert all(x <= known[-1] for x in tail)
         assert all(x >= y for x, y in zip(tail, tail[1:]))
         assert ext.count(True) == 32 - len(known)
-    assert P.extend_acceptance([0.9, 0.8], 1) == ([0.9], [False])
+    assert acceptance.extend_acceptance([0.9, 0.8], 1) == ([0.9], [False])
     with pytest.raises(ValueError, match="no measured acceptance"):
-        P.extend_acceptance([], 4)
+        acceptance.extend_acceptance([], 4)
 
 
 def test_plan_marks_extrapolated_depths_and_warns():
-    r = P.plan([0.95] * 8, profile(verify_ms={1: 10.0, 33: 10.5}, draft_step_ms=0.01),
+    r = cost.plan([0.95] * 8, profile(verify_ms={1: 10.0, 33: 10.5}, draft_step_ms=0.01),
                max_depth=16, known_depth=2)
     assert r["acceptance"]["known_depth"] == 2
     assert [row["extrapolated"] for row in r["depths"]][:4] == [False, False, False, True]
@@ -134,7 +135,7 @@ def test_plan_marks_extrapolated_depths_and_warns():
 
 
 def test_train_costs():
-    r = P.plan([0.9, 0.6, 0.3], profile(), 3, train_costs={1: 1.0, 4: 2.5, 8: 4.0})
+    r = cost.plan([0.9, 0.6, 0.3], profile(), 3, train_costs={1: 1.0, 4: 2.5, 8: 4.0})
     assert r["ttt_steps"] == 2
     assert r["ttt_steps_step_s"] == pytest.approx(1.5)          # interpolated between 1 and 4
     assert r["ttt_steps_relative_cost"] == pytest.approx(1.5)
@@ -144,53 +145,54 @@ def test_train_costs():
 # --- profiles ---------------------------------------------------------------------------------
 
 def test_profile_yaml_round_trip_and_errors(tmp_path):
-    p = profile(gpus=8, interconnect=P.Interconnect(40.0, 16.0, 124, 7168, 2), draft_collectives=2)
+    p = profile(gpus=8, interconnect=profiles.Interconnect(40.0, 16.0, 124, 7168, 2),
+                draft_collectives=2)
     path = str(tmp_path / "p.yaml")
-    P.save_profile(p, path)
-    q = P.load_profile(path)
-    assert q == p and P.round_s(q, 5) == P.round_s(p, 5)
+    profiles.save_profile(p, path)
+    q = profiles.load_profile(path)
+    assert q == p and cost.round_s(q, 5) == cost.round_s(p, 5)
     d = yaml.safe_load(open(path))
     del d["verify_ms"]
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(d))
     with pytest.raises(ValueError, match=r"bad.yaml: missing field 'verify_ms'"):
-        P.load_profile(str(tmp_path / "bad.yaml"))
+        profiles.load_profile(str(tmp_path / "bad.yaml"))
     d = yaml.safe_load(open(path))
     del d["interconnect"]["latency_us"]
     (tmp_path / "bad2.yaml").write_text(yaml.safe_dump(d))
     with pytest.raises(ValueError, match=r"bad2.yaml: interconnect: missing field 'latency_us'"):
-        P.load_profile(str(tmp_path / "bad2.yaml"))
+        profiles.load_profile(str(tmp_path / "bad2.yaml"))
     d = yaml.safe_load(open(path))
     d["gpu"] = 8
     (tmp_path / "bad3.yaml").write_text(yaml.safe_dump(d))
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['gpu'\]"):
-        P.load_profile(str(tmp_path / "bad3.yaml"))
+        profiles.load_profile(str(tmp_path / "bad3.yaml"))
     d = yaml.safe_load(open(path))
     d["draft_step_ms"] = "fast"
     (tmp_path / "bad4.yaml").write_text(yaml.safe_dump(d))
     with pytest.raises(ValueError, match=r"'draft_step_ms' must be a number"):
-        P.load_profile(str(tmp_path / "bad4.yaml"))
+        profiles.load_profile(str(tmp_path / "bad4.yaml"))
     with pytest.raises(FileNotFoundError, match="packaged"):
-        P.load_profile("no-such-node")
+        profiles.load_profile("no-such-node")
 
 
 def test_packaged_profiles_load_and_pcie_goes_deeper():
-    names = P.packaged_profiles()
+    names = profiles.packaged_profiles()
     assert {"pcie-8x-rtx-pro-6000-kimi-k2.5", "nvlink-8x-h100-kimi-k2.5"} <= set(names)
     for name in names:
-        p = P.load_profile(name)
+        p = profiles.load_profile(name)
         assert p.sources and p.gpus == 8 and p.interconnect.allreduces_per_forward == 124
         ys = [p.verify_ms[k] for k in sorted(p.verify_ms)]
         assert ys == sorted(ys) and max(p.verify_ms) >= 33
-        assert 1 <= P.best_depth(DECAYING, p, 32) <= 8
-        assert 2 <= P.best_depth([0.9] * 32, p, 32) <= 16
+        assert 1 <= cost.best_depth(DECAYING, p, 32) <= 8
+        assert 2 <= cost.best_depth([0.9] * 32, p, 32) <= 16
         # the drafter runs at the verifier's TP (vLLM V1, SGLang): 4 collectives a forward
         assert p.draft_collectives == 4 and p.draft_parallel_ms
-        assert P.draft_s(p) > p.draft_step_ms / 1e3
-    pcie = P.plan(DECAYING, P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5"))
-    nvl = P.plan(DECAYING, P.load_profile("nvlink-8x-h100-kimi-k2.5"))
+        assert cost.draft_s(p) > p.draft_step_ms / 1e3
+    pcie = cost.plan(DECAYING, profiles.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5"))
+    nvl = cost.plan(DECAYING, profiles.load_profile("nvlink-8x-h100-kimi-k2.5"))
     assert pcie["best_depth"] >= nvl["best_depth"]
-    assert P.best_depth([0.8] * 32, P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5"), 32) > \
-        P.best_depth([0.8] * 32, P.load_profile("nvlink-8x-h100-kimi-k2.5"), 32)
+    assert cost.best_depth([0.8] * 32, profiles.load_profile(PCIE), 32) > \
+        cost.best_depth([0.8] * 32, profiles.load_profile("nvlink-8x-h100-kimi-k2.5"), 32)
     assert pcie["best"]["speedup"] > nvl["best"]["speedup"] > 1
     share = [r["depths"][0]["comm_ms"] / r["depths"][0]["round_ms"] for r in (pcie, nvl)]
     assert share[0] > share[1]
@@ -203,17 +205,17 @@ def test_profiles_price_the_drafters_layer_shape(tmp_path):
     import subprocess
     import sys
     for name in ("pcie-8x-rtx-pro-6000-kimi-k2.5", "nvlink-8x-h100-kimi-k2.5"):
-        llama = P.load_profile(name)
-        mla = P.with_draft_layer(llama, "mla")
+        llama = profiles.load_profile(name)
+        mla = profiles.with_draft_layer(llama, "mla")
         assert (llama.draft_layer, mla.draft_layer) == ("llama", "mla")
         assert mla.draft_step_ms > llama.draft_step_ms and mla.draft_collectives == 4
-        assert P.draft_round_s(mla, 8) > P.draft_round_s(llama, 8)
-        assert P.draft_round_s(mla, 8, "parallel") > P.draft_round_s(llama, 8, "parallel")
-        assert P.with_draft_layer(mla, "llama") == llama                 # and back
-        assert P.with_draft_layer(llama, None) is llama
-    p = P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
+        assert cost.draft_round_s(mla, 8) > cost.draft_round_s(llama, 8)
+        assert cost.draft_round_s(mla, 8, "parallel") > cost.draft_round_s(llama, 8, "parallel")
+        assert profiles.with_draft_layer(mla, "llama") == llama                 # and back
+        assert profiles.with_draft_layer(llama, None) is llama
+    p = profiles.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
     with pytest.raises(ValueError, match="not 'tree'"):
-        P.with_draft_layer(p, "tree")
+        profiles.with_draft_layer(p, "tree")
     out = subprocess.run([sys.executable, "-m", "eagle3_ray.cli", "plan", "--sweep", "0.7",
                           "--profile", p.name, "--draft-layer", "mla",
                           "--out", str(tmp_path)], capture_output=True, text=True)
@@ -221,12 +223,12 @@ def test_profiles_price_the_drafters_layer_shape(tmp_path):
 
 
 def test_with_interconnect_is_labelled_a_simulation():
-    pcie = P.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
-    sim = P.with_interconnect(profile(), pcie)
+    pcie = profiles.load_profile("pcie-8x-rtx-pro-6000-kimi-k2.5")
+    sim = profiles.with_interconnect(profile(), pcie)
     assert sim.simulated and "SIMULATION" in sim.description
-    assert P.compute_s(sim, 3) == P.compute_s(profile(), 3)
-    assert P.comm_s(sim, 3) == pytest.approx(P.comm_s(pcie, 3))
-    assert "SIMULATED" in P.plan([0.8] * 4, sim, 8)["why"]
+    assert cost.compute_s(sim, 3) == cost.compute_s(profile(), 3)
+    assert cost.comm_s(sim, 3) == pytest.approx(cost.comm_s(pcie, 3))
+    assert "SIMULATED" in cost.plan([0.8] * 4, sim, 8)["why"]
 
 
 # --- acceptance sources -----------------------------------------------------------------------
@@ -238,51 +240,52 @@ def test_acceptance_from_training_run(tmp_path):
              {"step": 20, "eval/cond_acc_0": 0.6, "eval/cond_acc_1": 0.5, "eval/acc_0": 0.6},
              {"step": 30, "train/cond_acc_0": 0.7, "train/cond_acc_1": 0.6}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
-    cond, known, desc = P.acceptance_from(str(run))
+    cond, known, desc = acceptance.acceptance_from(str(run))
     assert cond == [0.6, 0.5] and known == 2 and "step 20" in desc
     drafter = tmp_path / "run2" / "drafter"
     drafter.mkdir(parents=True)
     (drafter / "meta.json").write_text(json.dumps(
         {"ttt_steps": 3, "final_metrics": {"eval/cond_acc_0": 0.7, "eval/cond_acc_1": 0.6,
                                            "eval/cond_acc_2": 0.5}}))
-    assert P.acceptance_from(str(tmp_path / "run2"))[:2] == ([0.7, 0.6, 0.5], 3)
-    assert P.acceptance_from(str(drafter))[0] == [0.7, 0.6, 0.5]
+    assert acceptance.acceptance_from(str(tmp_path / "run2"))[:2] == ([0.7, 0.6, 0.5], 3)
+    assert acceptance.acceptance_from(str(drafter))[0] == [0.7, 0.6, 0.5]
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no cond_acc_k"):
-        P.acceptance_from(str(tmp_path / "empty"))
+        acceptance.acceptance_from(str(tmp_path / "empty"))
 
 
 def test_acceptance_from_bench_json(tmp_path):
     q = {"bench": "quality", "runs": {"1": {"ttt_steps": 1, "cond_acc": [0.5, 0.3]},
                                       "4": {"ttt_steps": 4, "cond_acc": [0.6, 0.5, 0.4]}}}
     (tmp_path / "quality.json").write_text(json.dumps(q))
-    assert P.acceptance_from(str(tmp_path / "quality.json"))[0] == [0.6, 0.5, 0.4]   # deepest
-    assert P.acceptance_from(str(tmp_path / "quality.json"), ttt_steps=1)[0] == [0.5, 0.3]
+    deepest = acceptance.acceptance_from(str(tmp_path / "quality.json"))[0]
+    assert deepest == [0.6, 0.5, 0.4]
+    assert acceptance.acceptance_from(str(tmp_path / "quality.json"), ttt_steps=1)[0] == [0.5, 0.3]
     with pytest.raises(ValueError, match="no run with ttt_steps=8"):
-        P.acceptance_from(str(tmp_path / "quality.json"), ttt_steps=8)
+        acceptance.acceptance_from(str(tmp_path / "quality.json"), ttt_steps=8)
     # bench serve, acceptance lengths only: E[τ] 1.5 at depth 1, 1.9375 at depth 4 -> a = 0.5
     s = {"bench": "serve", "runs": {"0": {"depth": 0, "acceptance_length": 1.0},
                                     "1": {"depth": 1, "acceptance_length": 1.5},
                                     "4": {"depth": 4, "acceptance_length": 1.9375}}}
     (tmp_path / "serve.json").write_text(json.dumps(s))
-    cond, known, desc = P.acceptance_from(str(tmp_path / "serve.json"))
+    cond, known, desc = acceptance.acceptance_from(str(tmp_path / "serve.json"))
     assert cond == pytest.approx([0.5] * 4, abs=1e-6) and known == 4 and "fit" in desc
     # bench serve with per-position counts of the deepest run
     s["runs"]["4"].update(rounds=100, accepted_per_position=[80, 40, 20, 5])
     (tmp_path / "serve.json").write_text(json.dumps(s))
-    cond = P.acceptance_from(str(tmp_path / "serve.json"))[0]
+    cond = acceptance.acceptance_from(str(tmp_path / "serve.json"))[0]
     assert cond == pytest.approx([0.8, 0.5, 0.5, 0.25])
     (tmp_path / "train.json").write_text(json.dumps({"bench": "train", "results": [
         {"ttt_steps": 1, "step_s": 0.5}, {"ttt_steps": 4, "step_s": 1.25}]}))
     with pytest.raises(ValueError, match="--bench-train"):
-        P.acceptance_from(str(tmp_path / "train.json"))
-    assert P.train_costs_from(str(tmp_path / "train.json")) == {1: 0.5, 4: 1.25}
+        acceptance.acceptance_from(str(tmp_path / "train.json"))
+    assert acceptance.train_costs_from(str(tmp_path / "train.json")) == {1: 0.5, 4: 1.25}
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(ValueError, match="not a bench quality or bench serve"):
-        P.acceptance_from(str(tmp_path / "other.json"))
+        acceptance.acceptance_from(str(tmp_path / "other.json"))
     with pytest.raises(FileNotFoundError, match="acceptance source not found"):
-        P.acceptance_from(str(tmp_path / "nope"))
-    assert P.acceptance_from("0.8, 0.7,0.6") == ([0.8, 0.7, 0.6], 3, "given list")
+        acceptance.acceptance_from(str(tmp_path / "nope"))
+    assert acceptance.acceptance_from("0.8, 0.7,0.6") == ([0.8, 0.7, 0.6], 3, "given list")
 
 
 def served_metrics_text() -> str:
@@ -314,7 +317,7 @@ def test_acceptance_from_server_metrics_url():
     try:
         base = f"http://127.0.0.1:{srv.server_address[1]}"
         for url in (base, base + "/metrics"):
-            cond, known, desc = P.acceptance_from(url)
+            cond, known, desc = acceptance.acceptance_from(url)
             # accepted at positions 0/1/2 in 3/2/1 of 4 rounds: p = .75, .5, .25
             assert cond == pytest.approx([0.75, 0.5 / 0.75, 0.5]) and known == 3
             assert "4 rounds" in desc
@@ -322,7 +325,7 @@ def test_acceptance_from_server_metrics_url():
         srv.shutdown()
         srv.server_close()
     with pytest.raises(ValueError, match="could not read metrics"):
-        P.acceptance_from(base)                                # the server is gone
+        acceptance.acceptance_from(base)                                # the server is gone
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -342,7 +345,7 @@ def test_plan_cli_end_to_end(tmp_path, capsys):
     r = json.load(open(out / "plan.json"))
     assert (out / "plan.png").stat().st_size > 10_000
     assert len(r["depths"]) == 13 and r["compare"]["profile"] == "nvlink-8x-h100-kimi-k2.5"
-    assert r["best_depth"] == P.best_depth(DECAYING[:4], P.load_profile(
+    assert r["best_depth"] == cost.best_depth(DECAYING[:4], profiles.load_profile(
         "pcie-8x-rtx-pro-6000-kimi-k2.5"), 12)
     assert r["best_depth"] >= r["compare"]["best_depth"]
     assert r["best"]["speedup"] > r["compare"]["best"]["speedup"]
@@ -366,11 +369,11 @@ def test_measure_profile_tiny_verifier(tiny_verifier, tmp_path, one_thread):
     assert all(v > 0 for v in p.verify_ms.values()) and p.draft_step_ms > 0
     assert p.verify_ms[4] > 0.3 * p.verify_ms[1]               # monotone-ish on a noisy box
     assert p.gpus == 1 and p.interconnect.allreduces_per_forward == 0
-    assert P.comm_s(p, 4) == 0.0
+    assert cost.comm_s(p, 4) == 0.0
     path = str(tmp_path / "tiny.yaml")
-    P.save_profile(p, path)
-    assert P.load_profile(path) == p
-    assert 0 <= P.best_depth([0.8] * 4, p, 4) <= 4
+    profiles.save_profile(p, path)
+    assert profiles.load_profile(path) == p
+    assert 0 <= cost.best_depth([0.8] * 4, p, 4) <= 4
 
 
 def test_dynamic_depth_follows_the_request_acceptance():
@@ -378,9 +381,9 @@ def test_dynamic_depth_follows_the_request_acceptance():
     plain decoding when they stop being accepted."""
     from types import SimpleNamespace as Round
     pcie, _ = two_nodes()
-    dd = P.DynamicDepth(pcie, [0.5], max_depth=16)
+    dd = cost.DynamicDepth(pcie, [0.5], max_depth=16)
     first = dd([])
-    assert first == P.best_depth(P.extend_acceptance([0.5], 16)[0], pcie, 16) >= 1
+    assert first == cost.best_depth(acceptance.extend_acceptance([0.5], 16)[0], pcie, 16) >= 1
     history = [Round(drafted=first, accepted=first) for _ in range(30)]
     assert dd(history) > first
     history += [Round(drafted=dd.depths[-1], accepted=0) for _ in range(400)]
@@ -394,11 +397,11 @@ def test_dynamic_depth_prices_the_drafters_kind():
     import dataclasses
     pcie, _ = two_nodes()
     dear = dataclasses.replace(pcie, draft_step_ms=3.0, draft_parallel_ms={1: 3.0, 16: 3.2})
-    chain = P.DynamicDepth(dear, [0.7], max_depth=16)([])
-    par = P.DynamicDepth(dear, [0.7], max_depth=16, drafting="parallel")([])
+    chain = cost.DynamicDepth(dear, [0.7], max_depth=16)([])
+    par = cost.DynamicDepth(dear, [0.7], max_depth=16, drafting="parallel")([])
     assert par > chain >= 1
     with pytest.raises(ValueError, match="drafting"):
-        P.DynamicDepth(dear, [0.7], max_depth=16, drafting="tree")
+        cost.DynamicDepth(dear, [0.7], max_depth=16, drafting="tree")
 
 
 def test_dynamic_depth_keeps_a_measured_position_and_leaves_lookup_rounds_out():
@@ -409,17 +412,18 @@ def test_dynamic_depth_keeps_a_measured_position_and_leaves_lookup_rounds_out():
     which accept far deeper, do not move it; the same rounds from the drafter do."""
     from types import SimpleNamespace as Round
     from transformers import LlamaConfig
-    cpu = P.single_device_profile("cpu", {k: 100.0 + 7 * (k - 1) for k in range(1, 10)}, 5.0,
+    cpu = profiles.single_device_profile("cpu", {k: 100.0 + 7 * (k - 1) for k in range(1, 10)}, 5.0,
                                   LlamaConfig(hidden_size=64))
-    assert P.best_depth([0.45, 0.45 * 0.9], cpu, 2) == 2 and P.best_depth([0.45, 0.1], cpu, 2) == 1
-    dd = P.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
+    assert cost.best_depth([0.45, 0.45 * 0.9], cpu, 2) == 2
+    assert cost.best_depth([0.45, 0.1], cpu, 2) == 1
+    dd = cost.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
     assert dd([]) == 1
     assert dd([Round(drafted=1, accepted=1, lookup=False) for _ in range(30)]) == 1
     assert dd.cond_acc()[1] == pytest.approx(0.1)
     deep = [Round(drafted=8, accepted=8, lookup=True) for _ in range(50)]
-    looked = P.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
+    looked = cost.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
     assert looked(deep) == 1 and looked.reached == [0] * 8
-    drafted = P.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
+    drafted = cost.DynamicDepth(cpu, [0.45, 0.1], max_depth=8)
     assert drafted([Round(drafted=8, accepted=8, lookup=False) for _ in range(50)]) >= 4
 
 
@@ -431,45 +435,46 @@ PCIE_CURVE = PCIE + "-allreduce-curve"
 
 
 def test_allreduce_curve_is_log_log_and_replaces_alpha_beta():
-    c = P.allreduce_curve_us
+    c = cost.allreduce_curve_us
     assert c(CURVE, 4096) == 45.0 and c(CURVE, 65536) == pytest.approx(344.0)
     assert c(CURVE, 100) == 45.0                               # below: the latency floor
     assert c(CURVE, 16384) == pytest.approx((45.0 * 344.0) ** 0.5)   # log-log midpoint
     assert c(CURVE, 4 * 65536) == pytest.approx(344.0 * (344.0 / 45.0) ** 0.5)   # continued
     assert c({1000: 50.0, 2000: 40.0}, 8000) == 40.0           # never falls past the data
     # 8 GPUs, 10 all-reduces of t·1024·2 B: the curve, not α/β, prices them
-    ic = P.Interconnect(40.0, 16.0, 10, 1024, 2, allreduce_us=dict(CURVE))
+    ic = profiles.Interconnect(40.0, 16.0, 10, 1024, 2, allreduce_us=dict(CURVE))
     p = profile(gpus=8, interconnect=ic)
-    assert P.message_bytes(p, 8) == 16384
-    assert P.comm_s(p, 1) == pytest.approx(10 * 45e-6)
-    assert P.comm_s(p, 8) == pytest.approx(10 * (45.0 * 344.0) ** 0.5 * 1e-6)
-    ab = profile(gpus=8, interconnect=P.Interconnect(40.0, 16.0, 10, 1024, 2))   # fallback
-    assert P.comm_s(ab, 8) == pytest.approx(10 * (40e-6 + 2 * 7 / 8 * 16384 / 16e9))
-    assert "measured curve" in P.allreduce_model(p) and "alpha/beta" in P.allreduce_model(ab)
-    assert "measured curve" in P.plan([0.8] * 4, p, 4)["why"]
+    assert profiles.message_bytes(p, 8) == 16384
+    assert cost.comm_s(p, 1) == pytest.approx(10 * 45e-6)
+    assert cost.comm_s(p, 8) == pytest.approx(10 * (45.0 * 344.0) ** 0.5 * 1e-6)
+    ab = profile(gpus=8, interconnect=profiles.Interconnect(40.0, 16.0, 10, 1024, 2))   # fallback
+    assert cost.comm_s(ab, 8) == pytest.approx(10 * (40e-6 + 2 * 7 / 8 * 16384 / 16e9))
+    assert "measured curve" in output.allreduce_model(p)
+    assert "alpha/beta" in output.allreduce_model(ab)
+    assert "measured curve" in cost.plan([0.8] * 4, p, 4)["why"]
     # the α/β fallback fitted to a curve: exact on α/β data, defined on a curve that falls
     exact = {b: 40.0 + 2 * 7 / 8 * b / 16e9 * 1e6 for b in (2048, 16384, 131072, 473088)}
-    assert P.fit_alpha_beta(exact, 8) == pytest.approx((40.0, 16.0))
-    assert P.fit_alpha_beta({1000: 50.0, 2000: 40.0}, 2) == pytest.approx((40.0, 2e3 / 50e-6 / 1e9),
-                                                                       rel=1e-3)
+    assert profiles.fit_alpha_beta(exact, 8) == pytest.approx((40.0, 16.0))
+    assert profiles.fit_alpha_beta({1000: 50.0, 2000: 40.0}, 2) == pytest.approx(
+        (40.0, 2e3 / 50e-6 / 1e9), rel=1e-3)
     # a slow, noisy link (gloo between 2 busy CPU processes): its BW stays > 0, a valid profile
     noisy = {128: 2270.0, 256: 13009.7, 384: 1953.1, 640: 7099.5, 1152: 5145.1, 2176: 3956.4,
              4224: 3201.0}
-    alpha, bw = P.fit_alpha_beta(noisy, 2)
+    alpha, bw = profiles.fit_alpha_beta(noisy, 2)
     assert alpha == pytest.approx(1953.1, rel=1e-3) and 0 < bw < 1e-3
-    P.profile_from_dict(P.profile_to_dict(profile(gpus=2, interconnect=P.Interconnect(
-        alpha, bw, 18, 64, 2, allreduce_us=noisy))))
+    slow = profiles.Interconnect(alpha, bw, 18, 64, 2, allreduce_us=noisy)
+    profiles.profile_from_dict(profiles.profile_to_dict(profile(gpus=2, interconnect=slow)))
 
 
 def test_curve_profile_yaml_round_trip_and_errors(tmp_path):
-    ic = P.Interconnect(40.0, 16.0, 124, 7168, 2, allreduce_us=dict(CURVE))
+    ic = profiles.Interconnect(40.0, 16.0, 124, 7168, 2, allreduce_us=dict(CURVE))
     p = profile(gpus=8, interconnect=ic)
     path = str(tmp_path / "p.yaml")
-    P.save_profile(p, path)
+    profiles.save_profile(p, path)
     assert yaml.safe_load(open(path))["interconnect"]["allreduce_us"] == CURVE
-    q = P.load_profile(path)
-    assert q == p and P.comm_s(q, 9) == P.comm_s(p, 9)
-    P.save_profile(profile(), path)                            # α/β only: no such key written
+    q = profiles.load_profile(path)
+    assert q == p and cost.comm_s(q, 9) == cost.comm_s(p, 9)
+    profiles.save_profile(profile(), path)                     # α/β only: no such key written
     assert "allreduce_us" not in yaml.safe_load(open(path))["interconnect"]
     for bad, why in (({4096: 45.0}, "at least 2"), ({"4KB": 45.0, 65536: 1.0}, "integers"),
                      ({4096: -1.0, 65536: 1.0}, "must be a number")):
@@ -477,7 +482,7 @@ def test_curve_profile_yaml_round_trip_and_errors(tmp_path):
         d["interconnect"]["allreduce_us"] = bad
         (tmp_path / "bad.yaml").write_text(yaml.safe_dump(d))
         with pytest.raises(ValueError, match=r"bad.yaml: interconnect: allreduce_us.*" + why):
-            P.load_profile(str(tmp_path / "bad.yaml"))
+            profiles.load_profile(str(tmp_path / "bad.yaml"))
 
 
 def test_packaged_curve_profile_moves_the_best_depth():
@@ -485,22 +490,22 @@ def test_packaged_curve_profile_moves_the_best_depth():
     otherwise, a depth-0 round far more communication, and shallower best depths (the curve
     grows ~0.73 per log step of the message where α/β stays near its latency). These are the
     figures of docs/plan.md's table (`eagle3-ray plan --sweep`)."""
-    ab, cu = P.load_profile(PCIE), P.load_profile(PCIE_CURVE)
+    ab, cu = profiles.load_profile(PCIE), profiles.load_profile(PCIE_CURVE)
     assert cu.interconnect.allreduce_us == CURVE and not ab.interconnect.allreduce_us
     assert cu.verify_ms == ab.verify_ms and cu.draft_step_ms == ab.draft_step_ms
-    assert P.comm_s(ab, 1) == pytest.approx(124 * (40e-6 + 1.75 * 14336 / 16e9))
-    assert P.comm_s(cu, 1) == pytest.approx(124 * 45.0 * (14336 / 4096) ** (
+    assert cost.comm_s(ab, 1) == pytest.approx(124 * (40e-6 + 1.75 * 14336 / 16e9))
+    assert cost.comm_s(cu, 1) == pytest.approx(124 * 45.0 * (14336 / 4096) ** (
         math.log(344 / 45) / math.log(16)) * 1e-6)
     levels = [0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95]
-    best = {n: [P.best_depth([a] * 32, p, 32) for a in levels] for n, p in (("ab", ab),
+    best = {n: [cost.best_depth([a] * 32, p, 32) for a in levels] for n, p in (("ab", ab),
                                                                            ("cu", cu))}
     assert best["ab"] == [2, 2, 3, 4, 5, 6, 8, 14]
     assert best["cu"] == [0, 1, 1, 1, 2, 3, 5, 10]
-    assert P.best_depth(DECAYING, ab, 32) == 3 and P.best_depth(DECAYING, cu, 32) == 2
-    r = P.plan(DECAYING, cu)
+    assert cost.best_depth(DECAYING, ab, 32) == 3 and cost.best_depth(DECAYING, cu, 32) == 2
+    r = cost.plan(DECAYING, cu)
     assert any("extrapolated from the curve" in w and "from depth 4 on" in w
                for w in r["warnings"])
-    assert not any("curve" in w for w in P.plan(DECAYING, ab)["warnings"])
+    assert not any("curve" in w for w in cost.plan(DECAYING, ab)["warnings"])
 
 
 def test_plan_sweep_cli(tmp_path, capsys):
@@ -523,20 +528,20 @@ def test_allreduce_curve_measured_between_processes(tmp_path):
     """add_allreduce_curve, the path `eagle3-ray profile` takes with several GPUs (NCCL), run
     here with gloo between 2 CPU processes: one time per verify size, α/β fitted as the
     fallback, written and read back, and what the planner then charges."""
-    base = profile(interconnect=P.Interconnect(0.0, 1.0, 0, 64, 2))
-    p = P.add_allreduce_curve(base, procs=2, allreduces_per_forward=18, backend="gloo",
+    base = profile(interconnect=profiles.Interconnect(0.0, 1.0, 0, 64, 2))
+    p = profiles.add_allreduce_curve(base, procs=2, allreduces_per_forward=18, backend="gloo",
                               iters=20)
-    sizes = [t * 64 * 2 for t in P.CURVE_TOKENS]
+    sizes = [t * 64 * 2 for t in profiles.CURVE_TOKENS]
     assert sorted(p.interconnect.allreduce_us) == sizes
     assert all(v > 0 for v in p.interconnect.allreduce_us.values())
     assert p.gpus == 2 and p.interconnect.allreduces_per_forward == 18
     assert p.interconnect.latency_us >= 0 and p.interconnect.bandwidth_gbps > 0
     path = str(tmp_path / "measured.yaml")
-    P.save_profile(p, path)
-    q = P.load_profile(path)
+    profiles.save_profile(p, path)
+    q = profiles.load_profile(path)
     assert q.interconnect.allreduce_us == p.interconnect.allreduce_us
-    for t in P.CURVE_TOKENS:
-        assert P.comm_s(q, t) == pytest.approx(18 * p.interconnect.allreduce_us[t * 128] * 1e-6)
+    for t in profiles.CURVE_TOKENS:
+        assert cost.comm_s(q, t) == pytest.approx(18 * p.interconnect.allreduce_us[t * 128] * 1e-6)
 
 
 def test_a_measured_curve_that_dips_does_not_send_dynamic_depth_deep():
@@ -549,12 +554,12 @@ def test_a_measured_curve_that_dips_does_not_send_dynamic_depth_deep():
     from transformers import LlamaConfig
     cfg = LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9)
     dip = {1: 111.0, 2: 125.0, 3: 138.0, 4: 117.0}
-    assert P.monotone_curve(dip) == {1: 111.0, 2: 125.0, 3: 127.5, 4: 127.5}
-    prof = P.single_device_profile("replica", dip, 5.3, cfg)
+    assert profiles.monotone_curve(dip) == {1: 111.0, 2: 125.0, 3: 127.5, 4: 127.5}
+    prof = profiles.single_device_profile("replica", dip, 5.3, cfg)
     assert prof.verify_ms == {1: 111.0, 2: 125.0, 3: 127.5, 4: 127.5}
     raw = dataclasses.replace(prof, verify_ms=dip)
-    assert P.best_depth([0.35, 0.14], raw, 3) == 3            # what the raw dip chose
-    assert P.best_depth([0.35, 0.14], prof, 3) == 1
+    assert cost.best_depth([0.35, 0.14], raw, 3) == 3            # what the raw dip chose
+    assert cost.best_depth([0.35, 0.14], prof, 3) == 1
     steps = {1: 28.2, 2: 28.2, 3: 33.0, 4: 33.4, 17: 50.2}     # a kernel switch at 3 rows
-    assert P.monotone_curve(steps) == steps
-    assert P.monotone_curve({1: 5.0, 2: 3.0, 3: 1.0}) == {1: 3.0, 2: 3.0, 3: 3.0}
+    assert profiles.monotone_curve(steps) == steps
+    assert profiles.monotone_curve({1: 5.0, 2: 3.0, 3: 1.0}) == {1: 3.0, 2: 3.0, 3: 3.0}

@@ -13,7 +13,7 @@ import requests
 import yaml
 
 from eagle3_ray.serve import app as serve
-from eagle3_ray.train import checkpoint, draft
+from eagle3_ray.train import checkpoint, kinds
 from eagle3_ray.serve.app import ServeConfig
 
 KEY = "sk-test"
@@ -22,7 +22,7 @@ MODEL = "tiny"
 
 
 def save_untrained(spec: str, out: str, ttt_steps: int = 2, drafting: str = "chain") -> str:
-    drafter, _ = draft.untrained_drafter(spec, draft_vocab_size=2000, drafting=drafting)
+    drafter, _ = kinds.untrained_drafter(spec, draft_vocab_size=2000, drafting=drafting)
     state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens")}
     checkpoint.save_drafter(out, state, drafter.config, {"ttt_steps": ttt_steps, "verifier": spec})
     return out
@@ -320,20 +320,24 @@ def test_engine_dynamic_depth_over_a_simulated_interconnect(tiny_verifier, tmp_p
     assert eng.sampling(fixed, len(prompt))[1] == 2
 
 
-def test_engine_dynamic_depth_prices_a_parallel_drafters_rounds(tiny_verifier, tmp_path,
-                                                                one_thread):
-    """A parallel drafter served with dynamic depth: the replica also times its one-forward
-    rounds (draft_parallel_ms) and the policy prices rounds as parallel; output unchanged."""
+@pytest.mark.parametrize("kind", ["parallel", "block"])
+def test_engine_dynamic_depth_prices_one_forward_rounds(kind, tiny_verifier, tmp_path,
+                                                        one_thread):
+    """A parallel or block drafter served with dynamic depth: the replica also times its
+    one-forward rounds (draft_parallel_ms by drafts; draft_block_ms by query slots, drafts + 1)
+    and the policy prices rounds as that kind; output unchanged."""
     from eagle3_ray.plan import planner
-    drafter = save_untrained(tiny_verifier, str(tmp_path / "p"), drafting="parallel")
+    drafter = save_untrained(tiny_verifier, str(tmp_path / "p"), drafting=kind)
     eng = serve.Engine(ServeConfig(verifier=tiny_verifier, drafter=drafter, model_name=MODEL,
                                    max_depth=4, dynamic_depth=True, torch_threads=1))
-    assert set(eng.depth_profile.draft_parallel_ms) == {1, 2, 4}
+    forward = (eng.depth_profile.draft_parallel_ms if kind == "parallel"
+               else eng.depth_profile.draft_block_ms)
+    assert set(forward) == ({1, 2, 4} if kind == "parallel" else {2, 3, 5})
     req = serve.ChatRequest(model=MODEL, messages=[{"role": "user", "content": "Hi there"}],
                             temperature=0, max_tokens=8)
     prompt = eng.prompt_ids(req)
     sp, policy, _ = eng.sampling(req, len(prompt))
-    assert isinstance(policy, planner.DynamicDepth) and policy.drafting == "parallel"
+    assert isinstance(policy, planner.DynamicDepth) and policy.drafting == kind
     out = [t for r in eng.spec.generate(prompt, sp, policy) for t in r.tokens]
     assert out == [t for r in eng.spec.generate(prompt, sp, 0) for t in r.tokens]
 

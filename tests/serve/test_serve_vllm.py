@@ -284,6 +284,24 @@ def test_a_parallel_drafter_export_asks_vllm_for_parallel_drafting(tmp_path, ver
                                                           parallel_drafting=True))
 
 
+def test_a_block_drafter_export_asks_vllm_for_dflash(tmp_path, verifier_dir, engine_python):
+    """A block (DFlash) export (architectures DFlashDraftModel, checkpoint.block_config) is
+    served with vLLM's method "dflash" at the serve depth; vLLM then drafts in parallel by
+    itself, so no parallel_drafting key. Without dflash_config's mask token: refused."""
+    block = write_export_config(tmp_path / "block", architectures=["DFlashDraftModel"],
+                                dflash_config={"mask_token_id": 99, "target_layer_ids": [1]})
+    assert serve_vllm.drafts_in_blocks(block)
+    assert not serve_vllm.drafts_in_blocks(write_export_config(tmp_path / "plain"))
+    assert serve_vllm.eagle3_speculative_config(block, 4) == {
+        "method": "dflash", "model": block, "num_speculative_tokens": 4}
+    cfg = make_cfg(verifier=verifier_dir, depth=6)
+    spec = serve_vllm.llm_config(cfg, block)["engine_kwargs"]["speculative_config"]
+    assert spec == {"method": "dflash", "model": block, "num_speculative_tokens": 6}
+    with pytest.raises(ValueError, match="mask_token_id"):
+        serve_vllm.drafts_in_blocks(write_export_config(tmp_path / "bad",
+                                                        architectures=["DFlashDraftModel"]))
+
+
 def test_clear_errors(verifier_dir, drafter_dir, engine_python):
     with pytest.raises(ValueError, match="api_key.*builtin"):
         serve_vllm.llm_config(make_cfg(verifier=verifier_dir, api_key="sk-x"), None)

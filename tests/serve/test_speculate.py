@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3_ray.plan import planner
 from eagle3_ray.serve import speculate
+from eagle3_ray.train.block import BlockDrafter, BlockKV
 from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter
 from eagle3_ray.serve.speculate import SamplingParams, Speculator
 
@@ -29,7 +30,7 @@ def tiny_pair(vocab: int, layers: int = 4, hidden: int = 64, draft_vocab: int | 
     vd = draft_vocab or vocab
     c = DraftConfig.from_verifier_config(cfg, vd, [1, layers // 2, layers - 1],  # ids >= 1
                                          drafting=drafting, **draft_kw)
-    drafter = Eagle3Drafter(c).eval()
+    drafter = (BlockDrafter if drafting == "block" else Eagle3Drafter)(c).eval()
     drafter.t2d[:vd] = True  # draft ids = the first vd target ids (d2t = 0)
     return model, drafter
 
@@ -45,10 +46,10 @@ def family_pair(family: str, request, dtype=torch.float32, draft_vocab: int | No
     if family == "llama":
         model, drafter = tiny_pair(vocab=500, draft_vocab=draft_vocab)
         return model.to(dtype), drafter
-    from eagle3_ray.train import draft
+    from eagle3_ray.train import kinds
     spec = request.getfixturevalue("deepseek_verifier")
     model = speculate.verifier_lib.load_verifier(spec, dtype=dtype)
-    return model, draft.untrained_drafter(spec, draft_vocab)[0].eval()
+    return model, kinds.untrained_drafter(spec, draft_vocab)[0].eval()
 
 
 def spy_verifies(spec: Speculator) -> list:
@@ -69,6 +70,28 @@ def run(spec: Speculator, prompt, sp: SamplingParams, depth, lookup=None, branch
         out += r.tokens
         rounds.append(r)
     return out, rounds
+
+
+def full_aux(spec: Speculator, seq: list[int]) -> torch.Tensor:
+    """The verifier's aux states of the whole sequence `seq` in one forward: [1, S, 3H]."""
+    with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
+            spec.model, spec.layer_ids) as got:
+        spec.model(torch.tensor([seq]))
+    return torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)
+
+
+def check_one_forward_kind(spec: Speculator, prompt: list[int], sp: SamplingParams, base,
+                           deep: int) -> None:
+    """A parallel or block drafter's rounds beyond fixed depths: a per-round depth (up to
+    `deep`) and the lookup fallback keep greedy output `base`; trees are refused."""
+    depths = iter([0, 3, 0, deep, 1] + [2] * 40)
+    out, rounds = run(spec, prompt, sp, lambda h: next(depths))
+    assert out == base and [r.drafted for r in rounds[1:6]] == [0, 3, 0, deep, 1]
+    echo = prompt + base + prompt                      # the lookup fallback finds n-grams here
+    out, rounds = run(spec, echo, sp, 4, lookup=LOOKUP_ALWAYS)
+    assert out == run(spec, echo, sp, 0)[0] and any(r.lookup for r in rounds)
+    with pytest.raises(ValueError, match="chain drafter"):
+        run(spec, prompt, sp, 2, branches=2)
 
 
 @pytest.mark.parametrize("family,prompts,depths", [("llama", 6, (1, 2, 4, 8, 16)),
@@ -359,7 +382,7 @@ LOOKUP_ALWAYS = speculate.LookupParams(min_n=1, max_n=2, below=1.01)   # wheneve
 
 @pytest.mark.parametrize("top_p,lookup,drafting", [
     (1.0, None, "chain"), (0.8, None, "chain"), (1.0, LOOKUP_ALWAYS, "chain"),
-    (1.0, None, "parallel")])
+    (1.0, None, "parallel"), (1.0, None, "block")])
 def test_sampling_matches_the_verifier_distribution(top_p, lookup, drafting):
     """Rejection sampling keeps the verifier's distribution: the tokens at steps 1-3 over many
     seeds fit the exact marginals (enumerated from the verifier) under a chi-square test, while
@@ -395,8 +418,9 @@ def test_sampling_matches_the_verifier_distribution(top_p, lookup, drafting):
         with torch.no_grad():
             logits, aux = spec._verify(prompt, __import__("transformers").DynamicCache())
             x = speculate.pick(logits[-1], SamplingParams(temperature=temp, top_p=top_p), gen)
-            _, ld = spec._draft_step(prompt[1:] + [x], aux, speculate.DraftKV())
-            tok, _, _ = spec._propose(ld, SamplingParams(temperature=temp, top_p=top_p), gen)
+            (tok,), _, _, _ = spec._draft_chain(prompt[1:] + [x], aux, spec._draft_cache(), 1,
+                                                SamplingParams(temperature=temp, top_p=top_p),
+                                                gen)
         q[tok] += 1
     assert chi2(q, exact[1]) > 3 * critical
 
@@ -452,10 +476,8 @@ def test_cached_drafts_equal_the_drafters_full_sequence_predictions():
     prompt = list(range(30, 45))
     out, _ = run(spec, prompt, SamplingParams(max_tokens=30), 1)
     seq = prompt + out
-    with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
-            model, spec.layer_ids) as got:
-        model(torch.tensor([seq]))
-        aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, S, 3H]
+    aux = full_aux(spec, seq)                               # [1, S, 3H]
+    with torch.no_grad():
         hidden = drafter(torch.tensor([seq[1:] + [0]]), aux, torch.arange(len(seq))[None])
         pred = drafter.draft_to_target(drafter.logits(hidden)[0].argmax(-1))  # t -> token t+2
     rounds = seen[1:]                                  # after the prefill
@@ -619,24 +641,47 @@ def test_parallel_drafter_drafts_a_round_in_one_forward_and_stays_exact():
         assert out == base, depth
         assert calls == [depth - 1] * (len(rounds) - 1)     # one forward per drafted round
         seq = prompt + out
-        with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
-                model, spec.layer_ids) as got:
-            model(torch.tensor([seq]))
-            aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, S, 3H]
+        aux = full_aux(spec, seq)                           # [1, S, 3H]
         for n, ids in seen[1:]:                             # x = seq[n] at position n
             with torch.no_grad():
                 h = forward(torch.tensor([seq[1:n + 1]]), aux[:, :n],
                             torch.arange(n + depth - 1)[None], masked=depth - 1)
                 want = drafter.draft_to_target(drafter.logits(h[0, -depth:]).argmax(-1))
             assert ids[1:] == want.tolist(), (depth, n)
-    depths = iter([0, 3, 0, 5, 1] + [2] * 40)
-    out, rounds = run(spec, prompt, sp, lambda h: next(depths))
-    assert out == base and [r.drafted for r in rounds[1:6]] == [0, 3, 0, 5, 1]
-    echo = prompt + base + prompt                      # the lookup fallback finds n-grams here
-    out, rounds = run(spec, echo, sp, 4, lookup=LOOKUP_ALWAYS)
-    assert out == run(spec, echo, sp, 0)[0] and any(r.lookup for r in rounds)
-    with pytest.raises(ValueError, match="chain drafter"):
-        run(spec, prompt, sp, 2, branches=2)
+    check_one_forward_kind(spec, prompt, sp, base, 5)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_block_drafter_drafts_a_round_in_one_forward_and_stays_exact(block_size):
+    """A block (DFlash) drafter: every drafted round is ONE drafter forward of [x, D masks]
+    whose drafts equal the drafter run afresh on the round's whole context (its cache of
+    context keys is what a from-scratch forward computes); greedy output equals plain decoding
+    at depths up to the block size, with a per-round depth and with the lookup fallback; trees
+    are refused."""
+    model, drafter = tiny_pair(vocab=500, draft_vocab=300, seed=5, drafting="block",
+                               block_size=block_size, block_layers=2)
+    spec = Speculator(model, drafter)
+    calls, seen, forward = [], spy_verifies(spec), drafter.forward
+    drafter.forward = lambda *a, **kw: calls.append(a[0].shape[1]) or forward(*a, **kw)
+    prompt = list(range(30, 45))
+    sp = SamplingParams(max_tokens=24)
+    base, _ = run(spec, prompt, sp, 0)
+    for depth in sorted({1, block_size // 2, block_size}):
+        calls.clear()
+        seen.clear()
+        out, rounds = run(spec, prompt, sp, depth)
+        assert out == base, depth
+        assert calls == [depth + 1] * (len(rounds) - 1)     # one forward of x + D masks a round
+        seq = prompt + out
+        aux = full_aux(spec, seq)                           # [1, S, 3H]
+        for n, ids in seen[1:]:                             # x = seq[n] at position n
+            slots = torch.tensor([[seq[n]] + [drafter.config.mask_token_id] * depth])
+            with torch.no_grad():
+                h = forward(slots, torch.arange(n, n + depth + 1)[None], BlockKV(2),
+                            aux=aux[:, :n], aux_positions=torch.arange(n)[None])
+                want = drafter.draft_to_target(drafter.logits(h[0, 1:]).argmax(-1))
+            assert ids[1:] == want.tolist(), (depth, n)
+    check_one_forward_kind(spec, prompt, sp, base, block_size)
 
 
 @pytest.mark.parametrize("draft_kw", [{"layer": "mla"},
@@ -664,10 +709,7 @@ def test_mla_and_eagle31_drafters_chain_as_computed_directly_and_stay_exact(draf
         out, _ = run(spec, prompt, sp, depth)
         assert out == base, depth
         seq = prompt + out
-        with torch.no_grad(), speculate.verifier_lib.capture_hidden_states(
-                model, spec.layer_ids) as got:
-            model(torch.tensor([seq]))
-            aux = torch.cat([got["aux0"], got["aux1"], got["aux2"]], dim=-1)   # [1, S, 3H]
+        aux = full_aux(spec, seq)                           # [1, S, 3H]
         for n, ids in seen[1:]:                     # x = seq[n] at position n
             hidden, tokens, want = drafter.fuse(aux[:, :n]), seq[1:n + 1], []
             with torch.no_grad():

@@ -826,3 +826,142 @@ def test_layer_shapes_an_engine_cannot_load_are_refused_by_name(tmp_path):
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["fc_norm"] is True and config["norm_output"] is True
     assert "fc_norm.0.weight" in load_file(os.path.join(out, "model.safetensors"))
+
+
+# --- the block (DFlash) drafter (train/block.py) ---------------------------------------------
+
+BLOCK = dict(drafting="block", block_size=3, block_layers=2)
+
+
+def vllm_dflash_params(config: dict, target_vocab: int) -> dict[str, set]:
+    """The parameters vLLM's DFlashQwen3ForCausalLM registers for an export's config.json ->
+    {name: the checkpoint shards it takes}, by vllm/model_executor/models/qwen3_dflash.py
+    (0.32): model.{fc, hidden_norm, norm}; per layer input_layernorm, post_attention_layernorm,
+    self_attn.{qkv_proj (q, k, v stacked), o_proj, q_norm, k_norm}, mlp.{gate_up_proj (gate,
+    up stacked), down_proj}; lm_head; draft_id_to_target_id only when draft_vocab_size differs
+    from the target's vocab. model.embed_tokens (shared from the target) and
+    model.mask_embedding are dropped by its loader when the checkpoint has none."""
+    p = {f"model.{n}.weight": {None} for n in ("fc", "hidden_norm", "norm")}
+    p["lm_head.weight"] = {None}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        p.update({layer + n + ".weight": {None} for n in (
+            "input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
+            "self_attn.q_norm", "self_attn.k_norm", "mlp.down_proj")})
+        p[layer + "self_attn.qkv_proj.weight"] = {"q", "k", "v"}
+        p[layer + "mlp.gate_up_proj.weight"] = {0, 1}
+    if config["draft_vocab_size"] != target_vocab:
+        p["draft_id_to_target_id"] = {None}
+    return p
+
+
+def vllm_dflash_name(name: str) -> tuple[str, object] | None:
+    """A checkpoint tensor -> (vLLM parameter, shard) by DFlashQwen3ForCausalLM.load_weights:
+    "t2d" skipped (None), "d2t" -> draft_id_to_target_id, every other name but lm_head's
+    prefixed "model."; then DFlashQwen3Model.hf_to_vllm_mapper's stacking (.q_proj/.k_proj/
+    .v_proj -> .qkv_proj shards q/k/v, .gate_proj/.up_proj -> .gate_up_proj shards 0/1)."""
+    if "t2d" in name:
+        return None
+    if "d2t" in name:
+        return name.replace("d2t", "draft_id_to_target_id"), None
+    if "lm_head" not in name:
+        name = "model." + name
+    for old, (new, shard) in {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"),
+                              ".v_proj": (".qkv_proj", "v"), ".gate_proj": (".gate_up_proj", 0),
+                              ".up_proj": (".gate_up_proj", 1)}.items():
+        if old in name:
+            return name.replace(old, new), shard
+    return name, None
+
+
+def vllm_dflash_layers(config: dict) -> list[int]:
+    """The verifier layers whose INPUTS vLLM feeds a dflash drafter's fc, in order
+    (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py get_eagle3_aux_layers_from_config:
+    the top-level eagle_aux_hidden_state_layer_ids as-is if present, else
+    dflash_config.target_layer_ids + 1; llama.py captures the input of each such layer)."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    return list(top) if top else [j + 1 for j in config["dflash_config"]["target_layer_ids"]]
+
+
+def test_block_drafter_round_trip(tmp_path, tiny_verifier):
+    """A block drafter saves the names and shapes of block.BlockDrafter, loads back bit-exact,
+    and load_trained_drafter rebuilds a BlockDrafter holding those weights."""
+    from transformers import AutoConfig
+    from eagle3_ray.train import block, draft
+    from eagle3_ray.train.checkpoint import load_trained_drafter
+    vcfg = AutoConfig.from_pretrained(tiny_verifier)
+    cfg = draft.DraftConfig.from_verifier_config(vcfg, 300, AUX, **BLOCK)
+    counts = np.random.default_rng(0).integers(0, 1000, vcfg.vocab_size)
+    torch.manual_seed(0)
+    drafter, _ = draft.build_drafter(tiny_verifier, cfg, *vocab.build_mapping(counts, 300),
+                                     cls=block.BlockDrafter)
+    state = drafter.state_dict()
+    want = checkpoint.expected_shapes(cfg)
+    assert {k: tuple(v.shape) for k, v in state.items() if k != "embed_tokens.weight"} == \
+        {k: shape for k, (shape, _) in want.items()}
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg,
+                                dict(META, verifier=tiny_verifier))
+    loaded, cfg2, _ = checkpoint.load_drafter(d)
+    assert cfg2 == cfg and cfg2.drafting == "block"
+    assert_same(loaded, {k: v for k, v in state.items() if k != "embed_tokens.weight"})
+    config = json.load(open(os.path.join(d, "config.json")))
+    assert config["architectures"] == ["DFlashDraftModel"]    # self-describing: the engine layout
+    rebuilt = load_trained_drafter(d)[0]
+    assert type(rebuilt) is block.BlockDrafter and not rebuilt.training
+    assert_same(rebuilt.state_dict(), state)                  # embedding: the verifier's again
+    bad = {k: v for k, v in state.items() if k != "layers.1.self_attn.k_norm.weight"}
+    with pytest.raises(ValueError, match="missing layers.1.self_attn.k_norm.weight"):
+        checkpoint.save_drafter(str(tmp_path / "bad"), bad, cfg)
+
+
+@pytest.mark.parametrize("draft_vocab", [40, 100])
+def test_block_drafter_vllm_export_is_what_vllm_dflash_loads(tmp_path, draft_vocab):
+    """export --format vllm of a block drafter: a DFlashDraftModel config (Qwen3 shapes,
+    dflash_config) whose aux layers vLLM derives as the ones trained, and tensors that map one
+    to one onto DFlashQwen3ForCausalLM's parameters (every stacked shard present). A full-vocab
+    drafter ships no d2t (vLLM registers no draft_id_to_target_id then). SGLang and speculators
+    are refused by name."""
+    cfg = tiny_config(draft_vocab_size=draft_vocab, mask_token_id=7, **BLOCK)
+    state = random_state(cfg)
+    del state["midlayer.self_attn.rotary_emb.inv_freq"]
+    meta = dict(META, verifier=fake_verifier(tmp_path / "verifier"))
+    d = checkpoint.save_drafter(str(tmp_path / "drafter"), state, cfg, meta)
+    weights, config, expected, _ = _export((d, state, cfg), tmp_path, "vllm")
+    if draft_vocab == 100:
+        expected = {k: v for k, v in expected.items() if k not in ("d2t", "t2d")}
+    assert_same(weights, expected)
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    shapes = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+              "rms_norm_eps": cfg.rms_norm_eps, "hidden_act": "silu", "vocab_size": 100,
+              "draft_vocab_size": draft_vocab, "target_hidden_size": 32, "rope_theta": 50000.0,
+              "rope_scaling": cfg.rope_scaling,
+              "max_position_embeddings": cfg.max_position_embeddings,
+              "torch_dtype": "bfloat16", "tie_word_embeddings": False, "block_size": 4}
+    assert {k: config[k] for k in shapes} == shapes
+    # DFlash's block: the bonus slot + block_size masks; ids: the output of layer j (vLLM + 1)
+    assert config["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, 3, 4],
+                                       "block_size": 4, "causal": False}
+    assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config
+    assert vllm_dflash_layers(config) == AUX                     # the inputs trained on
+    ours = config["eagle3_ray"]
+    assert ours["export"] == "vllm" and ours["draft_config"] == cfg.to_dict()
+    assert ours["dflash_layer_id_convention"] == checkpoint.DFLASH_LAYER_ID_CONVENTION
+    params = vllm_dflash_params(config, target_vocab=100)
+    got: dict[str, set] = {}
+    for name in weights:
+        mapped = vllm_dflash_name(name)
+        if mapped is not None:
+            assert mapped[0] in params, f"{name} -> {mapped[0]}: no such vLLM parameter"
+            assert mapped[1] not in got.setdefault(mapped[0], set()), f"{name} loaded twice"
+            got[mapped[0]].add(mapped[1])
+    assert got == params                                         # every parameter, every shard
+    for fmt, why in (("sglang", "no SGLang export.*no lm_head"),
+                     ("speculators", "no speculators export.*no DFlash")):
+        with pytest.raises(ValueError, match=why):
+            checkpoint.export(d, str(tmp_path / fmt), fmt)

@@ -16,7 +16,8 @@ from eagle3_ray.data import conversations as data, schema
 from eagle3_ray.engine import hf as verifier
 from eagle3_ray.train import online
 from eagle3_ray.extract.pipeline import ExtractConfig, dataset_facts
-from eagle3_ray.train.trainer import TrainConfig, is_eval
+from eagle3_ray.train.config import TrainConfig
+from eagle3_ray.train.feed import is_eval
 
 EVAL_FRACTION = 0.15
 
@@ -98,12 +99,14 @@ def test_cache_survives_a_dead_worker_and_serves_later_epochs(ray_cluster, tiny_
                                                               conv_file, split_ids, tmp_path):
     """--cache: rank 0 dies at step 5 of epoch 0 (checkpoint at 3). The restart deletes the
     cache parts holding samples it has not trained on and extracts them again, so the first
-    epoch still ends as a complete offline dataset without duplicates; epoch 1 reads it."""
+    epoch still ends as a complete offline dataset without duplicates; epoch 1 reads it.
+    The drafter here is a block (DFlash) one: online training takes any drafting kind, and its
+    loss falls too."""
     train_ids, eval_ids = split_ids
     n = len(train_ids)
     out, cache, marker = tmp_path / "run", tmp_path / "cache", tmp_path / "died"
-    result = online.run_online(tcfg(tiny_verifier, out, max_epochs=2,
-                                    fault_injection=f"die_once:5:{marker}"),
+    result = online.run_online(tcfg(tiny_verifier, out, max_epochs=2, drafting="block",
+                                    block_layers=1, fault_injection=f"die_once:5:{marker}"),
                                ecfg(tiny_verifier, conv_file), cache=str(cache))
     assert marker.exists()
     m = schema.read_manifest(str(cache))  # a finished offline dataset
@@ -117,8 +120,14 @@ def test_cache_survives_a_dead_worker_and_serves_later_epochs(ray_cluster, tiny_
     assert n <= throughput(out)["extract_samples"] < 2 * n
     assert final_state(result)["epochs"] == [{"epoch": e, "samples": n, "unique": n}
                                              for e in range(2)]
-    steps = [h["step"] for h in history(out)]
+    hist = history(out)
+    steps = [h["step"] for h in hist]
     assert steps == list(range(1, steps[-1] + 1))  # steps 4-5 redone, logged once
+    first_loss = sum(h["train/loss"] for h in hist[:3]) / 3
+    last_loss = sum(h["train/loss"] for h in hist[-3:]) / 3
+    assert last_loss < 0.8 * first_loss, (first_loss, last_loss)
+    meta = json.loads((out / "drafter" / "meta.json").read_text())
+    assert meta["drafting"] == "block" and "eval/acc_2" in hist[-1]  # ttt 2 + the probe
     # the Parquet files are the cache's only
     assert {os.path.dirname(p) for p in glob.glob(str(tmp_path / "**" / "*.parquet"),
                                                   recursive=True)} == {str(cache)}

@@ -13,7 +13,9 @@ from conftest import make_conversations
 from eagle3_ray import cli
 from eagle3_ray.data import schema
 from eagle3_ray.extract.pipeline import ExtractConfig, run_extract
-from eagle3_ray.train.trainer import ParquetShard, TrainConfig, is_eval, run_train
+from eagle3_ray.train.config import TrainConfig
+from eagle3_ray.train.feed import ParquetShard, is_eval
+from eagle3_ray.train.trainer import run_train
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +175,6 @@ def test_parquet_shards_split_the_dataset_equally_and_exactly(dataset):
     of the train split (fewer than `world` rows left out), eval shards cover the eval split once,
     the batches hold every row of a shard in order, across part boundaries, and set_epoch
     reorders a shard's rows per epoch, reproducibly."""
-    from eagle3_ray.train.trainer import ParquetShard
     names = [f["name"] for f in schema.read_manifest(dataset)["files"]]
     fs, root = schema.resolve_fs(dataset)
     ids = [s for n in names for s in schema.read_column(fs, f"{root}/{n}", "sample_id")]
@@ -207,25 +208,27 @@ def test_depth_curriculum_lr_schedule_and_precision():
     """Pure helpers of the loop: the TTT depth ramp, the lr schedule on the shared clock, the
     precision choice, and metric sums from a shallower unroll."""
     import torch
-    from eagle3_ray.train import trainer as train, ttt
+    from eagle3_ray.train import ttt
+    from eagle3_ray.train.config import autocast_dtype, depth_at, lr_at
+    from eagle3_ray.train.loop import MetricSums
     cfg = TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0.5, max_steps=100, warmup_steps=10,
                       lr=1e-3, min_lr_ratio=0.1)
-    depths = [train.depth_at(cfg, s, 0.0) for s in range(100)]
+    depths = [depth_at(cfg, s, 0.0) for s in range(100)]
     assert depths[0] == 1 and depths == sorted(depths) and depths.index(8) == 44
     assert set(depths) == set(range(1, 9))
-    assert train.depth_at(TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0), 0, 0.0) == 8  # no ramp
+    assert depth_at(TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0), 0, 0.0) == 8  # no ramp
     timed = TrainConfig(dataset="x", ttt_steps=8, ttt_ramp=0.5, max_minutes=10, max_steps=10**6)
-    assert train.depth_at(timed, 5, 150.0) == 5       # 25% of the time budget = half the ramp
-    assert train.lr_at(cfg, 0, 0.0) == pytest.approx(1e-4)
-    assert train.lr_at(cfg, 100, 0.0) == pytest.approx(1e-4)   # cosine down to lr * 0.1
-    assert train.lr_at(timed, 50, 300.0) == pytest.approx(train.lr_at(
+    assert depth_at(timed, 5, 150.0) == 5       # 25% of the time budget = half the ramp
+    assert lr_at(cfg, 0, 0.0) == pytest.approx(1e-4)
+    assert lr_at(cfg, 100, 0.0) == pytest.approx(1e-4)   # cosine down to lr * 0.1
+    assert lr_at(timed, 50, 300.0) == pytest.approx(lr_at(
         TrainConfig(dataset="x", max_steps=10**6, max_minutes=10), 50, 300.0))
-    assert train.autocast_dtype("fp32", True) is None
-    assert train.autocast_dtype("bf16", False) is torch.bfloat16
-    assert train.autocast_dtype("auto", True) is torch.bfloat16
+    assert autocast_dtype("fp32", True) is None
+    assert autocast_dtype("bf16", False) is torch.bfloat16
+    assert autocast_dtype("auto", True) is torch.bfloat16
     with pytest.raises(ValueError, match="precision"):
-        train.autocast_dtype("fp16", False)
-    sums = train.MetricSums(3)
+        autocast_dtype("fp16", False)
+    sums = MetricSums(3)
     m = {k: [2.0] for k in ttt.COUNT_KEYS}             # a depth-1 batch
     sums.add(m, 1.0, 10)
     s = sums.summarize(sums.t, "")
@@ -240,16 +243,17 @@ def test_vocab_source_and_recompute_choices():
     the response tokens; recompute follows the device, and bad values are refused before
     anything starts."""
     from eagle3_ray.train import trainer as train
+    from eagle3_ray.train.config import check_config, recompute
     auto = TrainConfig(dataset="x")
     assert train.vocab_column(True) == "target_ids"
     assert train.vocab_column(False) == "input_ids"                # online, format 1
-    assert not train.recompute(auto) and train.recompute(TrainConfig(dataset="x", use_gpu=True))
-    assert train.recompute(TrainConfig(dataset="x", recompute="on"))
+    assert not recompute(auto) and recompute(TrainConfig(dataset="x", use_gpu=True))
+    assert recompute(TrainConfig(dataset="x", recompute="on"))
     for bad in ({"targets": "kl"}, {"recompute": "yes"}, {"draft_layer": "gqa"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            train.check_config(TrainConfig(dataset="x", **bad))
+            check_config(TrainConfig(dataset="x", **bad))
     with pytest.raises(ValueError, match="no engine runs a parallel MLA drafter"):
-        train.check_config(TrainConfig(dataset="x", draft_layer="mla", drafting="parallel"))
+        check_config(TrainConfig(dataset="x", draft_layer="mla", drafting="parallel"))
 
 
 def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
@@ -258,8 +262,10 @@ def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
     workers have). A drafter of other shapes is refused, naming the tensor."""
     import torch
     import torch.distributed as dist
-    from eagle3_ray.train import trainer as train
     from eagle3_ray.train.draft import DraftConfig, Eagle3Drafter
+    from eagle3_ray.train.loop import make_optimizers
+    from eagle3_ray.train.state import (RESUME_FIXED, full_state, load_train_state,
+                                        save_train_state)
     c = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     intermediate_size=48, vocab_size=64, draft_vocab_size=16)
     cfg = TrainConfig(dataset="x")
@@ -267,7 +273,7 @@ def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
     def fresh():
         torch.manual_seed(0)
         m = Eagle3Drafter(c)
-        return m, train.make_optimizers(cfg, m)
+        return m, make_optimizers(cfg, m)
     model, opts = fresh()
     (adamw,) = opts
     assert isinstance(adamw, torch.optim.AdamW)
@@ -283,27 +289,27 @@ def test_adamw_state_round_trips_through_a_checkpoint(tmp_path):
             o.zero_grad()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        weights, opt_state = train.full_state(model, opts)
-        train.save_train_state(str(tmp_path), weights, opt_state, {"step": 2})
+        weights, opt_state = full_state(model, opts)
+        save_train_state(str(tmp_path), weights, opt_state, {"step": 2})
         model2, opts2 = fresh()
-        assert train.load_train_state(str(tmp_path), model2, opts2) == {"step": 2}
+        assert load_train_state(str(tmp_path), model2, opts2) == {"step": 2}
         # a resume with other shapes (here one more KV group) names the tensor
         wide = Eagle3Drafter(DraftConfig(**{**c.to_dict(), "num_key_value_heads": 3,
                                             "num_attention_heads": 6}))
         with pytest.raises(ValueError, match=r"k_proj.weight is \(16, 64\) there and \(24, 64\)"):
-            train.load_train_state(str(tmp_path), wide, train.make_optimizers(cfg, wide))
+            load_train_state(str(tmp_path), wide, make_optimizers(cfg, wide))
         # another layer shape (--draft-layer mla, --fc-norm) is refused by its tensor names; a
         # toggle no tensor shows (--norm-output) by the run's recorded draft shape
-        shape = {k: getattr(c, k) for k in train.RESUME_FIXED}
-        train.save_train_state(str(tmp_path), weights, opt_state, {"step": 2, "draft_shape": shape})
+        shape = {k: getattr(c, k) for k in RESUME_FIXED}
+        save_train_state(str(tmp_path), weights, opt_state, {"step": 2, "draft_shape": shape})
         for change, match in [({"layer": "mla", "q_lora_rank": 8, "kv_lora_rank": 8,
                                 "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4},
                                "layer"), ({"fc_norm": True}, "fc_norm"),
                               ({"norm_output": True}, "norm_output")]:
             other = Eagle3Drafter(DraftConfig(**{**c.to_dict(), **change}))
             with pytest.raises(ValueError, match=match):
-                train.load_train_state(str(tmp_path), other, train.make_optimizers(cfg, other))
-        assert train.load_train_state(str(tmp_path), model2, opts2)["draft_shape"] == shape
+                load_train_state(str(tmp_path), other, make_optimizers(cfg, other))
+        assert load_train_state(str(tmp_path), model2, opts2)["draft_shape"] == shape
     finally:
         dist.destroy_process_group()
     for o, o2 in zip(opts, opts2):
