@@ -9,6 +9,7 @@
     eagle3-ray bench extract --engines --samples 32   # the same pipeline on vLLM vs transformers
     eagle3-ray bench regen --samples 32 --max-new-tokens 128   # batched generation vs HF loops
     eagle3-ray bench storage --samples 48 --steps 10  # bf16 vs fp8 hidden states: bytes, accuracy
+    eagle3-ray bench load --drafter DIR --engines builtin --concurrency 1 2 --prompts 4  # users
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml  # measure this machine -> node profile
     eagle3-ray plan --acceptance runs/bench/quality.json --profile pcie-8x-rtx-pro-6000-kimi-k2.5
     eagle3-ray plan --sweep 0.6 0.8 0.9 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
@@ -25,6 +26,8 @@ import sys
 from eagle3_ray.data import conversations as data
 from eagle3_ray.engine import hf as verifier
 from eagle3_ray.launch import init_ray, run_main
+# the bench subcommands live with the benches; jobs/bench.py and tests import them from here
+from eagle3_ray.bench.cli import add_bench_args, cmd_bench, parse_fields  # noqa: F401
 
 
 def add_extract_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +193,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    f"{verifier.EMBEDDED_VERIFIER}")
     p.add_argument("--drafter", help="trained drafter dir (<train output>/drafter); none = depth 0")
     p.add_argument("--model-name", default="eagle3-ray", help="the OpenAI model id")
-    p.add_argument("--depth", type=int, default=4, help="default speculation depth")
+    p.add_argument("--depth", type=depth_arg, default=4, help="default speculation depth, or "
+                   "'auto': planned from the drafter's acceptance and --profile (engine vllm: "
+                   "a depth per batch-size range, num_speculative_tokens_per_batch_size; "
+                   "builtin: --dynamic-depth)")
     p.add_argument("--max-depth", type=int, default=16, help="bound of per-request depth")
     p.add_argument("--dynamic-depth", action="store_true", help="requests without "
                    "speculation_depth get each round's depth from their acceptance (planner)")
@@ -229,6 +235,51 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
 
 
+def depth_arg(text: str):
+    """--depth: an integer >= 0 or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--depth: an integer or 'auto', got {text!r}") from None
+
+
+def serve_depth(a: argparse.Namespace) -> tuple[int, bool, list | None]:
+    """--depth -> (depth, dynamic_depth, depth_schedule). 'auto' plans from the drafter's
+    measured per-position acceptance (what the builtin's dynamic depth starts from,
+    serve.app.depth_planning): on engine vllm, with --profile's verify surface, a depth per
+    batch-size range (plan.load.depth_schedule; depth = its largest k, 0 if none pays); on the
+    builtin engine, which does not batch, dynamic depth per round (each request's depth from
+    its own acceptance and the profile, measured at start without --profile)."""
+    if a.depth != "auto":
+        return (a.depth if a.drafter else 0), a.dynamic_depth, None
+    if not a.drafter:
+        raise ValueError("--depth auto plans from a drafter's acceptance: give --drafter")
+    if a.engine != "vllm":
+        return min(4, a.max_depth), True, None
+    if not a.profile:
+        raise ValueError("--engine vllm --depth auto needs --profile (a packaged node profile or "
+                         "the YAML `eagle3-ray profile --out FILE` measures): the schedule is "
+                         "priced on its verify surface over batch sizes")
+    from eagle3_ray.plan import acceptance, load, profiles
+    kind = acceptance.drafting_of(a.drafter) or "chain"
+    try:
+        cond, known, _ = acceptance.acceptance_from(a.drafter, None, kind)
+    except ValueError:
+        cond, known = [0.5], 1
+        print(f"[serve] warning: {a.drafter}: no held-out acceptance in its metadata; the "
+              f"schedule is planned from 0.5 per position")
+    r = load.depth_schedule(cond, profiles.load_profile(a.profile), a.max_depth,
+                            load.MAX_BATCH, kind, known_depth=known)
+    depth, schedule = load.vllm_schedule(r)
+    print(f"[serve] depth auto on {r['profile']}: num_speculative_tokens {depth}, "
+          f"num_speculative_tokens_per_batch_size {schedule}")
+    for w in r["warnings"]:
+        print(f"[serve] warning: schedule: {w}")
+    return depth, False, schedule
+
+
 def serve_config(a: argparse.Namespace):
     import json
     from eagle3_ray.serve.app import ServeConfig
@@ -236,10 +287,11 @@ def serve_config(a: argparse.Namespace):
     if not spec and a.drafter:
         from eagle3_ray.train.checkpoint import read_drafter_config
         spec = read_drafter_config(a.drafter)[1].get("verifier")
+    depth, dynamic, schedule = serve_depth(a)
     return ServeConfig(
         verifier=spec or verifier.EMBEDDED_VERIFIER, drafter=a.drafter, model_name=a.model_name,
-        depth=a.depth if a.drafter else 0, max_depth=a.max_depth, engine=a.engine,
-        dynamic_depth=a.dynamic_depth, branches=a.branches,
+        depth=depth, depth_schedule=schedule, max_depth=a.max_depth, engine=a.engine,
+        dynamic_depth=dynamic, branches=a.branches,
         lookup=a.lookup, lookup_branch=a.lookup_branch, profile=a.profile,
         simulate_interconnect=a.simulate_interconnect,
         gpus_per_replica=a.gpus_per_replica, cpus_per_replica=a.cpus_per_replica,
@@ -291,183 +343,14 @@ def cmd_demo(a):
                         address=a.address))
 
 
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    """Flags of `eagle3-ray bench` (shared with jobs/bench.py)."""
-    p.add_argument("what", choices=["extract", "train", "quality", "recipe", "sweep", "serve",
-                                    "regen", "storage", "online", "engines"])
-    p.add_argument("--samples", type=int,
-                   help="conversations (extract: 128, quality/recipe: 1200, storage: 600) / "
-                        "prompts (serve: 8, engines: 12)")
-    p.add_argument("--regen-samples", type=int,
-                   help="quality/recipe: conversations of the regenerated dataset (default "
-                        "--samples; regeneration costs ~30x a plain extraction on CPU)")
-    p.add_argument("--drafter", help="serve: drafter dir (default: bench quality's best); engines: "
-                   "the drafter (required)")
-    p.add_argument("--with-parallel", action="store_true", help="train: also time a parallel "
-                   "(P-EAGLE) drafter at each ttt_steps >= 2, beside the chain")
-    p.add_argument("--with-block", action="store_true", help="train: also time a block (DFlash, "
-                   "2 layers) drafter whose block holds ttt_steps drafts, beside the chain")
-    p.add_argument("--parallel-drafter", help="serve: a parallel (P-EAGLE) drafter dir: arms "
-                   "parallel{d} at each depth, in the same interleaved run")
-    p.add_argument("--block-drafter", help="serve: a block (DFlash) drafter dir: arms "
-                   "block{d} at each depth up to its block size, in the same interleaved run")
-    p.add_argument("--max-tokens", type=int, default=64, help="serve, engines: tokens per prompt")
-    p.add_argument("--simulate", metavar="PROFILE", help="serve: also sleep this node "
-                   "profile's all-reduce time in every verify (a SIMULATED interconnect)")
-    p.add_argument("--no-dynamic", action="store_true", help="serve: skip the dynamic-depth run")
-    p.add_argument("--gpus", type=int, default=0, help="serve: GPUs for the verifier (0: CPU); "
-                   "engines: 1 = both engines on one GPU (default: where torch sees CUDA)")
-    p.add_argument("--depths", type=int, nargs="+", help="serve: fixed depths to run, 0 "
-                   "included (default: 0 1 2 3 4 6 8 12 16); engines: depths besides 0 "
-                   "(default: 3 8)")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], help="engines, extract --engines: "
-                   "both engines' dtype (default: bf16 where the CPU has native bf16, else fp32)")
-    p.add_argument("--no-peers", action="store_true", help="serve: skip the transformers arms "
-                   "(plain generate, prompt lookup)")
-    p.add_argument("--branches", type=int, nargs="*", default=[], metavar="K",
-                   help="serve: tree arms with K chains forked at the first draft, at those of "
-                        "depths 2-4 run (default: none)")
-    p.add_argument("--lookup-depths", type=int, nargs="*", default=[3, 4, 8], metavar="D",
-                   help="serve: arms at depth D with the server's lookup fallback, and one with "
-                        "dynamic depth (default 3 4 8; none: no lookup arms)")
-    p.add_argument("--lookup-branches", type=int, nargs="*", default=[], metavar="D",
-                   help="serve: arms at depth D with the lookup's match verified beside the "
-                        "drafter's chain (a tree), and with each --branches K (default: none)")
-    p.add_argument("--prompt-lookup-tokens", type=int, nargs="+", default=[10, 3], metavar="K",
-                   help="serve: prompt_lookup_num_tokens of each prompt-lookup arm (default 10 3)")
-    p.add_argument("--minutes", type=float, default=10.0,
-                   help="quality/recipe: training minutes per drafter")
-    p.add_argument("--steps", type=int, default=0,
-                   help="quality/recipe: optimizer steps per drafter instead of --minutes; "
-                        "storage: steps per drafter (default 150)")
-    p.add_argument("--noise-arm", choices=("auto", "always", "never"), default="auto",
-                   help="storage: a second bf16 drafter (seed 1) measuring seed-to-seed noise "
-                        "(auto: when fp8 and bf16 differ by > 0.01 in held-out acc 0)")
-    p.add_argument("--fresh", action="store_true", help="quality/recipe: retrain every drafter")
-    p.add_argument("--ttt", type=int, nargs="+", default=[1, 4, 8],
-                   help="quality: ttt_steps of each drafter (recipe: the first)")
-    p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
-                   help="quality/recipe: TrainConfig fields for every drafter, e.g. lr=1e-3 "
-                        "init=random data=regen (data: orig|regen)")
-    p.add_argument("--served-prompts", type=int, default=16,
-                   help="quality/recipe: held-out prompts decoded per drafter")
-    p.add_argument("--served-tokens", type=int, default=96,
-                   help="quality/recipe: tokens decoded per prompt")
-    p.add_argument("--dataset", help="sweep: hidden-state dataset (e.g. runs/bench/data/orig, "
-                   "what bench quality extracts)")
-    p.add_argument("--arm", nargs="+", action="append", metavar="NAME [FIELD=VALUE]",
-                   help="sweep: one arm, a name and its TrainConfig fields (repeat the flag); "
-                   "dataset=DIR trains that arm on its own dataset")
-    p.add_argument("--parallel", type=int, default=2,
-                   help="sweep: arms trained side by side, one core each")
-    p.add_argument("--served", action="store_true", help="sweep: keep each arm's drafter and "
-                   "measure its served acceptance (--served-prompts x --served-tokens)")
-    p.add_argument("--eval-depth", type=int, default=4,
-                   help="sweep: positions of the teacher-forced held-out evaluation")
-    p.add_argument("--snapshots", type=float, nargs="+", default=[], metavar="MINUTES",
-                   help="sweep: also keep each arm's drafter as it was after these training "
-                        "minutes (<out>/sweep/<arm>/drafter-<M>min), for a curve")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="regen: tokens per prompt")
-    p.add_argument("--batch", type=int, default=32, help="regen: rows per batched forward")
-    p.add_argument("--name", default="regen", help="regen: output name (<out>/<name>.json)")
-    p.add_argument("--threads", type=int, default=0, help="regen: torch threads (0: default)")
-    p.add_argument("--engines", action="store_true", help="extract: the pipeline with the "
-                   "verifier in vLLM against transformers, tokens/s side by side")
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="runs/bench")
-    p.add_argument("--address")
-
-
-def cmd_bench(a):
-    from eagle3_ray.bench import stages as bench
-    if a.what == "train":  # pure PyTorch, no Ray
-        bench.bench_train(out_dir=a.out, parallel=a.with_parallel, block=a.with_block)
-        return
-    if a.what == "serve":  # the server's decoder in-process, no Ray
-        from eagle3_ray.bench.serving import bench_serve
-        bench_serve(drafter_dir=a.drafter, prompts=a.samples or 8, max_tokens=a.max_tokens,
-                    out_dir=a.out, simulate=a.simulate, dynamic=not a.no_dynamic,
-                    peers=not a.no_peers, prompt_lookup=tuple(a.prompt_lookup_tokens),
-                    num_gpus=a.gpus, branches=tuple(a.branches),
-                    lookup_depths=tuple(a.lookup_depths),
-                    lookup_branches=tuple(a.lookup_branches),
-                    parallel_drafter=a.parallel_drafter, block_drafter=a.block_drafter,
-                    **({"depths": tuple(a.depths)} if a.depths else {}))
-        return
-    if a.what == "engines":  # builtin decoder in-process, vLLM in Ray actors (its own env)
-        from eagle3_ray.bench.engines import bench_engines
-        if not a.drafter:
-            raise SystemExit("bench engines needs --drafter DIR")
-        bench_engines(a.drafter, prompts=a.samples or 12, max_tokens=a.max_tokens,
-                      out_dir=a.out, dtype=a.dtype, address=a.address, gpus=a.gpus or None,
-                      **({"depths": tuple(a.depths)} if a.depths else {}))
-        return
-    if a.what == "sweep":  # TrainConfig variants side by side, one process each, no Ray
-        from eagle3_ray.bench import sweep
-        if not a.dataset or not a.arm:
-            raise SystemExit("bench sweep needs --dataset and at least one --arm NAME [F=V ...]")
-        sweep.run(a.dataset, {arm[0]: parse_fields(arm[1:]) for arm in a.arm},
-                  minutes=a.minutes, parallel=a.parallel, out_dir=a.out,
-                  eval_depth=a.eval_depth, served_prompts=a.served_prompts if a.served else 0,
-                  served_tokens=a.served_tokens, snapshots=a.snapshots)
-        return
-    if a.what == "regen":  # batched generation in-process, no Ray
-        bench.bench_regen(prompts=a.samples or 32, max_new_tokens=a.max_new_tokens,
-                          batch=a.batch, out_dir=a.out, name=a.name, threads=a.threads)
-        return
-    init_ray(a.address)
-    if a.what == "storage":  # bf16 vs fp8 hidden-state storage: bytes/token, drafter accuracy
-        bench.bench_storage(conversations=a.samples or 600, max_length=a.max_length,
-                            steps=a.steps or 150, out_dir=a.out, fresh=a.fresh,
-                            noise=a.noise_arm)
-    elif a.what == "online":  # offline vs online vs online --cache: wall, bytes, accuracy
-        from eagle3_ray.bench.online import bench_online
-        bench_online(samples=a.samples or 160, max_length=a.max_length, steps=a.steps,
-                     out_dir=a.out, served_prompts=a.served_prompts,
-                     served_tokens=a.served_tokens)
-    elif a.what == "extract" and a.engines:
-        bench.bench_extract_engines(samples=a.samples or 128, max_length=a.max_length,
-                                    out_dir=a.out, repeats=a.repeats, dtype=a.dtype)
-    elif a.what == "extract":
-        bench.bench_extract(samples=a.samples or 128, max_length=a.max_length, out_dir=a.out,
-                            repeats=a.repeats)
-    else:
-        from eagle3_ray.bench import quality
-        recipe = parse_fields(a.set)
-        arms = (quality.quality_arms(a.ttt, **recipe) if a.what == "quality"
-                else quality.recipe_arms(a.ttt[0], **recipe))
-        quality.compare(a.what, arms, conversations=a.samples or 1200, max_length=a.max_length,
-                        minutes=a.minutes, steps=a.steps, out_dir=a.out, fresh=a.fresh,
-                        served_prompts=a.served_prompts, served_tokens=a.served_tokens,
-                        regen_conversations=a.regen_samples)
-
-
-def parse_fields(items: list[str]) -> dict:
-    """["lr=1e-3", "init=random", "data=regen"] -> TrainConfig overrides, typed by the field's
-    default ("data" names the dataset: orig or regen)."""
-    from eagle3_ray.train.config import TrainConfig
-    kinds = {"int": int, "float": float, "bool": bool}           # annotations are strings here
-    types = {f.name: kinds.get(str(f.type), str)
-             for f in dataclasses.fields(TrainConfig)} | {"data": str}
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in types:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of "
-                             f"{sorted(types)}")
-        kind = types[key]
-        out[key] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
-    return out
-
-
 def cmd_profile(a):
     from eagle3_ray.plan import output, profiles
     from eagle3_ray.serve import profile
     prof = profile.measure_profile(a.verifier, a.drafter, max_tokens=a.max_tokens,
                                    context=a.context, reps=a.reps, name=a.name,
                                    parallel_ks=a.parallel_k,
-                                   draft_collectives=a.draft_collectives)
+                                   draft_collectives=a.draft_collectives,
+                                   batch_sizes=a.batch_sizes, batch_tokens=a.batch_tokens)
     profiles.save_profile(prof, a.out)
     ms = prof.verify_ms
     print(f"[profile] verify {ms[1]:.2f} ms (1 token) .. {ms[max(ms)]:.2f} ms ({max(ms)} tokens), "
@@ -478,6 +361,9 @@ def cmd_profile(a):
             + f"; {prof.draft_collectives} collectives per drafter forward")
     if prof.interconnect.allreduce_us:
         print(f"[profile] all-reduce {output.allreduce_model(prof)}")
+    for b, row in (prof.verify_batch_ms or {}).items():
+        print(f"[profile] verify of batch {b}: " + ", ".join(
+            f"{t} tokens each {v:.2f} ms" for t, v in row.items()))
 
 
 # plan's acceptance flags: (argparse dest, the kind a non-dir source is taken as, the flag)
@@ -538,7 +424,7 @@ def plan_profile(a, name: str):
 
 
 def cmd_plan(a):
-    from eagle3_ray.plan import acceptance, cost, output
+    from eagle3_ray.plan import acceptance, cost, load, output
     measured = a.parallel_acceptance or a.block_acceptance
     if (a.sweep or a.sweep_kinds) and measured:
         raise ValueError("--parallel-acceptance and --block-acceptance plan a measured drafter; "
@@ -575,6 +461,8 @@ def cmd_plan(a):
                           drafting=kind, block_layers=layers)
         result["compare"] = other
         result["comparison"] = output.compare_text(result, other)
+    result["depth_schedule"] = load.depth_schedule(cond, profile, result["max_depth"],
+                                                   a.max_batch, kind, layers, known)
     output.write_plan(a.out, result, other, others)
     for k, (_, kn, d) in sources.items():
         print(f"[plan] {k} acceptance: {d}; measured positions 0..{kn - 1}")
@@ -594,6 +482,9 @@ def cmd_plan(a):
             print(f"[plan] warning: {w}")
     print(f"[plan] why: {result['why']}")
     print(f"[plan] drafting: {chosen['why']}")
+    print(output.format_schedule(result["depth_schedule"]))
+    for w in result["depth_schedule"]["warnings"]:
+        print(f"[plan] warning: schedule: {w}")
     if other:
         print(f"[plan] {result['comparison']}")
     print(f"[plan] -> {a.out}/plan.json, {a.out}/plan.png")
@@ -624,15 +515,19 @@ def plan_sweep_kinds(a):
 
 def plan_sweep(a):
     """plan --sweep: best depth per constant acceptance level on --profile (and --compare)."""
-    from eagle3_ray.plan import cost, output
+    from eagle3_ray.plan import cost, load, output
     profiles = [plan_profile(a, a.profile)]
     if a.compare:
         profiles.append(plan_profile(a, a.compare))
     result = cost.sweep(a.sweep, profiles, a.max_depth)
+    result["schedules"] = load.sweep_schedules(a.sweep, profiles, a.max_depth, a.max_batch)
     output.write_json(a.out, "sweep.json", result)
     for name, how in result["allreduce_model"].items():
         print(f"[plan] {name}: all-reduce {how}")
     print(output.format_sweep(result))
+    print(f"\ndepth by batch size (vLLM num_speculative_tokens_per_batch_size), batches "
+          f"1..{a.max_batch}:")
+    print(output.format_sweep_schedules(result["schedules"]))
     for name, ws in result["warnings"].items():
         for w in ws:
             print(f"[plan] warning: {name}: {w}")
@@ -709,6 +604,11 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--draft-collectives", type=int, metavar="C",
                    help="collectives per drafter forward (default: 0 on one device, "
                         "4 with several: the drafter at the verifier's tensor-parallel degree)")
+    f.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 2, 4, 8], metavar="B",
+                   help="time a batched verify of B sequences for each B -> verify_batch_ms, "
+                        "the surface plan's per-batch-size schedule prices (none: batch 1 only)")
+    f.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 2, 3, 5], metavar="T",
+                   help="tokens per sequence in those verifies (depth T-1)")
     f.set_defaults(fn=cmd_profile)
 
     n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node, chain, "
@@ -747,6 +647,8 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--draft-layer", choices=("llama", "mla"), help="price this drafter decoder "
                    "layer (the profile's draft_layers; default: the one it prices at the top)")
     n.add_argument("--max-depth", type=int, default=32)
+    n.add_argument("--max-batch", type=int, default=256, help="the per-batch-size depth schedule "
+                   "(vLLM's num_speculative_tokens_per_batch_size) covers batches 1..N")
     n.add_argument("--bench-train", help="bench train JSON: step time per ttt_steps")
     n.add_argument("--ttt", type=int, help="bench quality JSON: the drafter with this ttt_steps")
     n.add_argument("--out", default="runs/plan")

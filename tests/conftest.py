@@ -2,6 +2,7 @@
 from the embedded GGUF), small conversation files, and one local Ray cluster for the session."""
 import json
 import os
+import socket
 
 import pytest
 
@@ -47,6 +48,24 @@ def make_conversations(n: int) -> list[dict]:
             {"from": "human", "value": f"Question {i}: {q}?"},
             {"from": "gpt", "value": f"Answer {i}: {a}."}]})
     return out
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a Serve proxy or a Ray head of a test's own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def missing_engine_env() -> str | None:
+    """Why there is no vLLM environment (engine.vllm.engine_python's RuntimeError), or None.
+    A wrong $EAGLE3_RAY_VLLM_PYTHON is an error, not a skip."""
+    from eagle3_ray.engine import vllm as engine_vllm
+    try:
+        engine_vllm.engine_python()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def make_tiny_verifier(d, hidden_size: int = 64, heads: int = 4) -> str:
@@ -207,3 +226,81 @@ def _train_tiny_drafter(spec: str, out: str, prompts: list[list[int]], steps: in
 def train_tiny_drafter():
     """_train_tiny_drafter, for tests that serve a drafter which must get drafts accepted."""
     return _train_tiny_drafter
+
+
+# What both engines answer without `Authorization: Bearer <the key>` (401).
+UNAUTHORIZED = {"error": {"message": "invalid or missing API key (Authorization: Bearer <key>)",
+                          "type": "authentication_error", "param": None,
+                          "code": "invalid_api_key"}}
+
+
+def malformed_requests(model: str, max_model_len: int, max_bytes: int) -> list[tuple]:
+    """The malformed requests both serving engines must refuse with a 4xx and a clear OpenAI
+    error body, for a server of `model` with context `max_model_len` and body bound `max_bytes`:
+    (name, body (a dict, or raw bytes), status, param the error names (its first part) or None,
+    words the message says). One table for both engines (test_serve.py, test_serve_vllm.py)."""
+    def chat(content="Tell me about rivers.", **kw):
+        return {"model": model, "messages": [{"role": "user", "content": content}],
+                "temperature": 0, "max_tokens": 4, **kw}
+
+    def messages(*ms):
+        return dict(chat(), messages=list(ms))
+    big = b'{"model": "%s", "messages": [{"role": "user", "content": "' % model.encode() + \
+        b"x" * max_bytes + b'"}]}'
+    return [
+        ("not json", b"{not json", 400, None, "not valid JSON"),
+        ("not an object", b"[1, 2]", 400, None, "JSON object"),
+        ("body over the bound", big, 413, None, f"at most {max_bytes}"),
+        ("unknown model", dict(chat(), model="nope"), 404, "model", "does not exist"),
+        ("no messages", {"model": model}, 400, "messages", "messages"),
+        ("messages not a list", dict(chat(), messages="hi"), 400, "messages", "list"),
+        ("empty messages", messages(), 400, "messages", "must not be empty"),
+        ("content of a wrong type", messages({"role": "user", "content": 5}), 400, "messages",
+         "text content"),
+        ("unknown role", messages({"role": "user", "content": "hi"},
+                                  {"role": "wizard", "content": "zap"}), 400, "messages",
+         "'wizard' is not one of system, user"),
+        ("prompt beyond the context", chat("word " * (max_model_len + 50)), 400, "messages",
+         "maximum context length"),
+        ("max_tokens 0", chat(max_tokens=0), 400, "max_tokens", "max_tokens must be > 0"),
+        ("max_tokens beyond the context", chat(max_tokens=max_model_len), 400, "max_tokens",
+         "maximum context length"),
+        ("max_tokens not a number", chat(max_tokens="many"), 400, "max_tokens", "integer"),
+        ("negative temperature", chat(temperature=-0.5), 400, "temperature", "[0, 2]"),
+        ("top_p 0", chat(top_p=0), 400, "top_p", "(0, 1]"),
+        ("five stop strings", chat(stop=["a", "b", "c", "d", "e"]), 400, "stop", "up to 4"),
+        ("stop of a wrong type", chat(stop=17), 400, "stop", "stop"),
+        ("speculation_depth 999", chat(speculation_depth=999), 400, "speculation_depth",
+         "999"),
+        ("speculation_depth not a number", chat(speculation_depth="deep"), 400,
+         "speculation_depth", "integer"),
+        ("n 0", chat(n=0), 400, "n", "n"),
+    ]
+
+
+def check_malformed(url: str, headers: dict, cases: list[tuple], ok_body: dict) -> list[str]:
+    """POST each case of `malformed_requests` to url/v1/chat/completions -> what was wrong
+    (empty: all refused as the table says); then `ok_body` must still get a 200."""
+    import requests
+    wrong = []
+    for name, body, status, param, says in cases:
+        data = body if isinstance(body, bytes) else json.dumps(body)
+        r = requests.post(url + "/v1/chat/completions", data=data, timeout=120,
+                          headers={"Content-Type": "application/json", **headers})
+        try:
+            err = r.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            wrong.append(f"{name}: {r.status_code}, not an OpenAI error body: {r.text[:200]}")
+            continue
+        if r.status_code != status:
+            wrong.append(f"{name}: {r.status_code} (want {status}): {err}")
+        elif not err.get("message") or says.lower() not in err["message"].lower():
+            wrong.append(f"{name}: message {err.get('message')!r} does not say {says!r}")
+        elif param and (err.get("param") or "").split(".")[0] != param:
+            wrong.append(f"{name}: param {err.get('param')!r} (want {param}...)")
+        elif param and err.get("type") != "invalid_request_error":
+            wrong.append(f"{name}: type {err.get('type')!r}")
+    r = requests.post(url + "/v1/chat/completions", json=ok_body, headers=headers, timeout=120)
+    if r.status_code != 200:
+        wrong.append(f"after them, a normal request got {r.status_code}: {r.text[:300]}")
+    return wrong

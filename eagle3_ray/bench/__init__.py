@@ -6,5 +6,7 @@ engines      bench engines: the builtin decoder and vLLM, same drafter, acceptan
 quality      drafters compared by served acceptance (bench quality / recipe)
 online       online against offline training
 sweep        recipe arms at equal minutes
+load         bench load: many users on a served app of each engine, by `vllm bench serve`
+cli          the `eagle3-ray bench <name>` subcommands, each with its own flags
 verify_cost  one round's verify and draft cost, two code versions side by side
 """

@@ -1,8 +1,8 @@
 """What a plan says and writes: the plain-words reasons (why a depth, why a drafter kind, why
 two nodes differ), the tables printed on stdout (a plan, a --sweep, a --sweep-kinds), the
 speedup / round-time plot, and the files `eagle3-ray plan` writes to its --out dir. Everything
-here reads plan results (cost.plan, cost.choose_drafting, the sweeps) and a profile's fields;
-nothing here prices a round.
+here reads plan results (cost.plan, cost.choose_drafting, the sweeps, load.depth_schedule) and
+a profile's fields; nothing here prices a round.
 
     eagle3-ray plan --acceptance 0.8,0.75,0.7 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
         --out /tmp/plan                          # CPU, a second: plan.json, plan.png, a table
@@ -121,6 +121,39 @@ def format_sweep(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
+
+
+def _ranges_text(schedule: list[list[int]]) -> str:
+    return ", ".join(f"{a}-{b}: {k}" if a != b else f"{a}: {k}" for a, b, k in schedule)
+
+
+def format_schedule(result: dict) -> str:
+    """A load.depth_schedule() result: the ranges (vLLM's num_speculative_tokens_per_batch_size)
+    and tokens/s at a few batch sizes with the schedule's depth and with none."""
+    lines = [f"depth by batch size on {result['profile']}, {result['drafting']} drafting "
+             f"(vLLM num_speculative_tokens_per_batch_size; batch: depth):",
+             f"  {_ranges_text(result['schedule'])}",
+             f"  num_speculative_tokens {result['num_speculative_tokens']}"
+             + ("" if result["batch_surface"] else " (batch 1 only: no verify_batch_ms)"),
+             f"  {'batch':>5} {'depth':>5} {'E[tau]':>6} {'round ms':>9} {'tok/s':>9} "
+             f"{'depth 0':>9} {'gain':>6}"]
+    for r in result["rows"]:
+        lines.append(f"  {r['batch']:>5} {r['depth']:>5} {r['accept_len']:>6.2f} "
+                     f"{r['round_ms']:>9.2f} {r['tokens_per_s']:>9.1f} "
+                     f"{r['tokens_per_s_depth0']:>9.1f} {r['gain']:>6.2f}")
+    return "\n".join(lines)
+
+
+def format_sweep_schedules(result: dict) -> str:
+    """load.sweep_schedules() as Markdown: per acceptance level, each profile's schedule."""
+    names = result["profiles"]
+    lines = ["| a (every position) | " + " | ".join(f"schedule (batch: depth), {n}"
+                                                   for n in names) + " |",
+             "|" + "---|" * (1 + len(names))]
+    for row in result["rows"]:
+        lines.append(f"| {row['acceptance']:g} | " + " | ".join(
+            _ranges_text(row[n]["schedule"]) for n in names) + " |")
+    return "\n".join(lines)
 
 
 # --- which kind --------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ re-exported unchanged. New code imports the room itself:
     acceptance.py   acceptance sources (runs, bench JSON, /metrics, lists), extrapolation,
                     curves derived from a chain's
     output.py       reasons in words, tables, plots, the files `plan` writes
+    load.py         depth by load: the per-batch-size schedule (not re-exported here)
+    roofline.py     the model behind the packaged Kimi profiles' verify tables
 
     eagle3-ray plan --acceptance 0.8,0.75,0.7 --profile pcie-8x-rtx-pro-6000-kimi-k2.5 \\
         --out /tmp/plan                                            # CPU, a second

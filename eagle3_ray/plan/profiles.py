@@ -3,11 +3,12 @@ eagle3_ray/plan/profiles/<name>.yaml or any path) holds the verify compute time 
 tokens, the drafter's forward times (one token: draft_step_ms; k query tokens:
 draft_parallel_ms; a block drafter's forward: draft_block_ms), the drafter's collectives per
 forward and the interconnect: α/β, or a measured all-reduce time per message size
-(`interconnect.allreduce_us`). Loading checks every field and names the file and field it
-refuses; with_draft_layer prices another drafter decoder layer shape (MLA); the measuring
-helpers here build a profile from one machine's timings and an all-reduce curve between
-processes (`eagle3-ray profile` runs them through serve/profile.py). cost.py prices rounds
-with a profile.
+(`interconnect.allreduce_us`), and optionally the verify surface over batch size x tokens
+per sequence (`verify_batch_ms`; plan/load.py prices batches with it). Loading checks every
+field and names the file and field it refuses; with_draft_layer prices another drafter
+decoder layer shape (MLA); the measuring helpers here build a profile from one machine's
+timings and an all-reduce curve between processes (`eagle3-ray profile` runs them through
+serve/profile.py). cost.py prices rounds with a profile.
 
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml          # measure this machine
     eagle3-ray plan --sweep 0.8 --profile /tmp/cpu.yaml --out /tmp/plan   # and plan with it
@@ -74,6 +75,13 @@ class NodeProfile:
                                   # (DFlash) drafter of draft_block_layers layers; None:
                                   # modelled from draft_parallel_ms (cost.draft_block_compute_s)
     draft_block_layers: int | None = None  # the layer count draft_block_ms was measured with
+    verify_batch_ms: dict[int, dict[int, float]] | None = None  # the verify surface: batch size
+                                  # B -> {tokens per sequence t -> compute-only ms of ONE
+                                  # verifier forward of B sequences with t new tokens each}.
+                                  # Without a batch-1 row, verify_ms is batch 1 (a measured
+                                  # surface has its own: the batched engine's kernels). None:
+                                  # priced for batch 1 only (the per-batch schedule then serves
+                                  # batch 1's depth; plan/load.py)
     _xs: list = field(default_factory=list, init=False, repr=False, compare=False)
     _ys: list = field(default_factory=list, init=False, repr=False, compare=False)
     _pxs: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -166,6 +174,7 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
     verify_ms = _ms_table(d["verify_ms"], where, "verify_ms")
     par = d.get("draft_parallel_ms")
     block, block_layers = _draft_block(d, where)
+    surface = _surface(d.get("verify_batch_ms"), where)
     sources = d.get("sources", [])
     _check(isinstance(sources, list) and all(isinstance(s, str) for s in sources), where,
            "field 'sources' must be a list of strings")
@@ -177,7 +186,23 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
         draft_parallel_ms=None if par is None else _ms_table(par, where, "draft_parallel_ms"),
         simulated=bool(d.get("simulated", False)),
         draft_layer=str(d.get("draft_layer", "llama")), draft_layers=_draft_layers(d, where),
-        draft_block_ms=block, draft_block_layers=block_layers)
+        draft_block_ms=block, draft_block_layers=block_layers, verify_batch_ms=surface)
+
+
+def _surface(raw, where: str) -> dict[int, dict[int, float]] | None:
+    """verify_batch_ms: None, or batch sizes (integers >= 1) -> a verify table of their own
+    (tokens per sequence -> ms), with at least one batch size above 1."""
+    if raw is None:
+        return None
+    _check(isinstance(raw, dict) and raw, where, "field 'verify_batch_ms' must be a non-empty "
+                                                 "mapping batch size -> {tokens -> ms}")
+    out = {}
+    for b, row in raw.items():
+        _check(isinstance(b, int) and not isinstance(b, bool) and b >= 1, where,
+               f"verify_batch_ms: batch sizes must be integers >= 1, got {b!r}")
+        out[b] = _ms_table(row, where, f"verify_batch_ms.{b}")
+    _check(max(out) >= 2, where, "verify_batch_ms needs a batch size above 1")
+    return dict(sorted(out.items()))
 
 
 def _draft_block(d: dict, where: str) -> tuple[dict[int, float] | None, int | None]:
@@ -278,6 +303,11 @@ def profile_to_dict(p: NodeProfile) -> dict:
         del d["draft_block_ms"], d["draft_block_layers"]       # not measured: modelled
     else:
         d["draft_block_ms"] = {int(k): float(v) for k, v in sorted(p.draft_block_ms.items())}
+    if p.verify_batch_ms is None:
+        del d["verify_batch_ms"]                               # batch 1 only
+    else:
+        d["verify_batch_ms"] = {int(b): {int(k): float(v) for k, v in sorted(row.items())}
+                                for b, row in sorted(p.verify_batch_ms.items())}
     return d
 
 
@@ -418,7 +448,9 @@ def monotone_curve(verify_ms: dict[int, float]) -> dict[int, float]:
 
 def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: float, config,
                           dtype=None, description: str = "",
-                          draft_parallel_ms: dict[int, float] | None = None) -> NodeProfile:
+                          draft_parallel_ms: dict[int, float] | None = None,
+                          verify_batch_ms: dict[int, dict[int, float]] | None = None
+                          ) -> NodeProfile:
     """Measured times of one device (no interconnect, no drafter collectives) -> a NodeProfile,
     its verify curve and k-token drafter forward times made non-decreasing (monotone_curve)."""
     import time
@@ -433,4 +465,7 @@ def single_device_profile(name: str, verify_ms: dict[int, float], draft_ms: floa
         verify_ms={k: round(v, 4) for k, v in monotone_curve(verify_ms).items()},
         draft_step_ms=round(draft_ms, 4),
         draft_parallel_ms=({k: round(v, 4) for k, v in monotone_curve(draft_parallel_ms).items()}
-                           if draft_parallel_ms else None))
+                           if draft_parallel_ms else None),
+        verify_batch_ms=({b: {k: round(v, 4) for k, v in monotone_curve(row).items()}
+                          for b, row in sorted(verify_batch_ms.items())}
+                         if verify_batch_ms else None))

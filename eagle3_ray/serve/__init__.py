@@ -5,7 +5,9 @@ kernels    CPU kernels that keep verification exact (batch-invariant and tree at
            linears)
 profile    measure this machine's verify and draft costs -> a node profile for the planner
 app        the Ray Serve app: OpenAI-compatible HTTP, metrics, dynamic depth
+validate   the request checks both engines share: API key, body, roles, sampling fields
 vllm       the same API through vLLM and Ray Serve LLM
+vllm_ingress  Ray Serve LLM's OpenAI ingress with the key, /health and validate's checks
 """
 
 

@@ -8,8 +8,8 @@ One deployment (FastAPI ingress) holds the verifier and the drafter. Placement: 
 GPUs (the verifier sharded over them) and, with `node_resource`, a custom resource only the
 PCIe node type carries, so the replica lands there and nowhere else. Ray Serve does the rest:
 `max_ongoing_requests` per replica, `max_queued_requests` (overflow -> 503 at once),
-autoscaling, `request_timeout_s` (-> 408), and cancelling the request when a client
-disconnects. Each replica decodes one round at a time on one worker thread; concurrent
+autoscaling, `request_timeout_s` (-> 408; the replica answers its own 408, an OpenAI error,
+just before the proxy would), and cancelling the request when a client disconnects. Each replica decodes one round at a time on one worker thread; concurrent
 requests interleave round by round (no cross-request batching in the built-in engine —
 `engine="vllm"` serves a Kimi-sized verifier through ray.serve.llm, see vllm.py).
 
@@ -30,14 +30,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from ray import serve
 
 from eagle3_ray.data import conversations as data
 from eagle3_ray.engine import hf as verifier_lib
 from eagle3_ray.plan import planner
-from eagle3_ray.serve import speculate
+from eagle3_ray.serve import speculate, validate
+from eagle3_ray.serve.validate import (CHAT_ROLES, ApiError, ChatRequest,  # noqa: F401
+                                       CompletionRequest, parse)
 from eagle3_ray.train import checkpoint
 # Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
 # serve.parse_metrics stays for the demo and tests that read /metrics.
@@ -55,6 +56,9 @@ class ServeConfig:
                                           # plain decoding only (depth 0)
     model_name: str = "eagle3-ray"        # the OpenAI "model" id clients send
     depth: int = 4                        # default speculation depth (0 = plain decoding)
+    depth_schedule: list | None = None    # engine vllm, `--depth auto`: [[batch from, to, k],
+                                          # ...] (plan/load.py; depth = its largest k), served
+                                          # as num_speculative_tokens_per_batch_size
     max_depth: int = 16                   # bound of the per-request `speculation_depth`
     dynamic_depth: bool = False           # requests without speculation_depth: each round's
                                           # depth from their acceptance so far (planner)
@@ -85,8 +89,11 @@ class ServeConfig:
     autoscaling: dict | None = None       # Serve autoscaling_config; overrides num_replicas
     max_ongoing_requests: int = 4         # per replica
     max_queued_requests: int = 16         # beyond: 503 at once
-    request_timeout_s: float = 300.0      # proxy-level (http_options): 408 after this
+    request_timeout_s: float = 300.0      # 408 after this: the replica's own (JSON; a stream's
+                                          # last event) just before the proxy's
+                                          # (http_options; plain text, e.g. when queued)
     api_key: str | None = field(default_factory=lambda: os.environ.get("EAGLE3_RAY_API_KEY"))
+    max_request_bytes: int = 8 << 20     # request bodies beyond: 413 (validate.read_body)
     max_model_len: int | None = None      # prompt + output tokens; default: the verifier's
     dtype: str | None = None              # engine vllm: bf16 | fp32 | fp16; None: bf16 on GPUs
                                           # and CPUs with native bf16, else fp32 (engine.vllm)
@@ -108,61 +115,8 @@ class ServeConfig:
 
 # --- requests and errors ----------------------------------------------------------------------
 
-class ApiError(Exception):
-    """An OpenAI-style error: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = \
-            status, message, param, type_, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}},
-                            status_code=self.status)
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0              # OpenAI's default; 0 = greedy
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict | None = None
-    speculation_depth: int | None = None  # extension: this request's depth (<= max_depth)
-
-
-# The roles the OpenAI chat API accepts; any other is a 400, never rendered by the template.
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-class ChatRequest(_Sampling):
-    messages: list[dict]
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str]
-
-
-def parse(body: bytes, kind: type[BaseModel]):
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}")
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    try:
-        return kind.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise ApiError(400, f"{where}: {err['msg']}", param=where)
+# ApiError, ChatRequest / CompletionRequest, parse, CHAT_ROLES and the checks both engines share
+# live in serve/validate.py (the vLLM engine's ingress runs them in vLLM's environment).
 
 
 # --- metrics -------------------------------------------------------------------------------
@@ -334,64 +288,24 @@ class Engine:
                         f"{self.ttt_steps}: positions past it are extrapolation")
 
     def prompt_ids(self, req) -> list[int]:
+        """The request's prompt tokens (the chat template over validated messages)."""
         if isinstance(req, ChatRequest):
-            if not req.messages:
-                raise ApiError(400, "messages must not be empty", "messages")
-            messages = []
-            for i, m in enumerate(req.messages):
-                content = m.get("content")
-                if isinstance(content, list):  # content parts: keep the text ones
-                    content = "".join(p.get("text", "") for p in content
-                                      if isinstance(p, dict) and p.get("type") == "text")
-                if not isinstance(m.get("role"), str) or not isinstance(content, str):
-                    raise ApiError(400, f"messages[{i}] needs a string role and text content",
-                                   f"messages.{i}")
-                if m["role"] not in CHAT_ROLES:
-                    raise ApiError(400, f"messages[{i}].role: {m['role']!r} is not one of "
-                                        f"{', '.join(CHAT_ROLES)}", f"messages.{i}.role")
-                messages.append({"role": m["role"], "content": content})
+            messages = validate.chat_messages(req.messages)
             try:
                 ids = data.prompt_ids(self.tok, messages)
             except Exception as e:
                 raise ApiError(400, f"messages do not fit the chat template: {e}", "messages")
         else:
-            prompt = req.prompt
-            if isinstance(prompt, list):
-                if len(prompt) != 1:
-                    raise ApiError(400, "only one prompt per request is supported", "prompt")
-                prompt = prompt[0]
-            ids = self.tok(prompt)["input_ids"]
+            ids = self.tok(validate.completion_prompt(req.prompt))["input_ids"]
         if not ids:
             raise ApiError(400, "the prompt is empty", "prompt")
         return list(ids)
 
     def sampling(self, req, n_prompt: int) -> tuple[speculate.SamplingParams, int, list[str]]:
         """Validate the request's sampling fields -> (params, depth, stop strings)."""
-        if req.model != self.cfg.model_name:
-            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves "
-                                f"{self.cfg.model_name!r}", "model", code="model_not_found")
-        if req.n != 1:
-            raise ApiError(400, "only n=1 is supported", "n")
-        if req.temperature < 0 or req.temperature > 2:
-            raise ApiError(400, f"temperature must be in [0, 2], got {req.temperature}",
-                           "temperature")
-        if not 0 < req.top_p <= 1:
-            raise ApiError(400, f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise ApiError(400, "stop: up to 4 non-empty strings", "stop")
-        room = self.max_model_len - n_prompt
-        if room <= 0:
-            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} "
-                                f"tokens; the prompt has {n_prompt}", "messages",
-                           code="context_length_exceeded")
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is not None and max_tokens <= 0:
-            raise ApiError(400, f"max_tokens must be > 0, got {max_tokens}", "max_tokens")
-        if max_tokens is not None and max_tokens > room:
-            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} "
-                                f"tokens; the prompt has {n_prompt} and max_tokens is "
-                                f"{max_tokens}", "max_tokens", code="context_length_exceeded")
+        stop = validate.check_sampling(req, self.cfg.model_name)
+        max_tokens = validate.max_tokens_of(req)
+        room = validate.check_context(n_prompt, max_tokens, self.max_model_len)
         if req.speculation_depth is None and self.cfg.dynamic_depth:
             c = self.spec.drafter.config
             depth = planner.DynamicDepth(
@@ -440,6 +354,27 @@ def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | No
             "total_tokens": n_prompt + out, "speculation": spec}
 
 
+def app_timeout_s(request_timeout_s: float) -> float:
+    """When the replica itself answers 408: a little before the proxy's own request_timeout_s
+    (http_options), which counts from the proxy's receipt and whose 408 has a plain-text body
+    (no JSON) and, once a stream has started, is only a cut connection."""
+    return request_timeout_s - min(TIMEOUT_MARGIN_S, 0.1 * request_timeout_s)
+
+
+TIMEOUT_MARGIN_S = 1.0    # the replica's 408 comes this much (at most 10%) before the proxy's
+
+
+class RequestTimeout(ApiError):
+    """408 from the replica: generation ran past request_timeout_s. Checked between rounds, so
+    it frees the request's slot at once; a stream gets it as its last event (then [DONE])."""
+
+    def __init__(self, timeout_s: float, tokens: int):
+        super().__init__(408, f"request timed out after {timeout_s:g}s (the server's "
+                              f"request_timeout_s) with {tokens} tokens generated; ask for "
+                              f"fewer max_tokens or raise --request-timeout-s",
+                         type_="timeout_error", code="request_timeout")
+
+
 class _Job:
     """One request's decoding: steps the Speculator's generator on the replica's decode thread
     (one round per step, so requests interleave), detokenizes with stop strings, and records
@@ -455,9 +390,14 @@ class _Job:
         self.text = speculate.TextStream(server.engine.tok, stop)
         self.rounds: list[speculate.Round] = []
         self.closed = False
+        timeout = server.cfg.request_timeout_s
+        self.deadline = t0 + app_timeout_s(timeout) if timeout and timeout > 0 else None
 
     async def step(self) -> tuple[str, str | None, bool]:
-        """Next round -> (new text, finish_reason, done)."""
+        """Next round -> (new text, finish_reason, done). Past the deadline: RequestTimeout."""
+        if self.deadline is not None and time.perf_counter() >= self.deadline:
+            raise RequestTimeout(self.server.cfg.request_timeout_s,
+                                 sum(len(r.tokens) for r in self.rounds))
         loop = asyncio.get_running_loop()
         r = await loop.run_in_executor(self.server.pool, next, self.gen, None)
         if r is None:
@@ -512,6 +452,10 @@ class _Job:
             while True:
                 try:
                     piece, reason, done = await self.step()
+                except RequestTimeout as e:     # the status line is sent: an error event
+                    status = str(e.status)
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    break
                 except Exception as e:
                     status = "500"
                     log.exception("generation failed")
@@ -553,12 +497,17 @@ class SpeculativeServer:
         # to ~nothing: plain decoding ran x1.65 slower (docs/benchmarks.md#openmp-wait-policy).
         self.engine = self.pool.submit(Engine, self.cfg).result()
         self.metrics = Metrics(self.engine.spec.few_row_kernels, self.engine.spec.exact)
+        self.key_digest = validate.key_digest(self.cfg.api_key) if self.cfg.api_key else None
+
+    async def check_health(self) -> None:
+        """Serve's health check (every HEALTH_CHECK_PERIOD_S, 2 s): the engine lives on the
+        decode thread, so the replica is healthy when that thread takes a no-op behind the
+        rounds queued before it. A wedged engine fails the check (health_check_timeout_s, 30 s)
+        and Serve replaces the replica after 3 failures; a dead process is replaced at once."""
+        await asyncio.get_running_loop().run_in_executor(self.pool, int)
 
     def _auth(self, request: Request) -> None:
-        key = self.cfg.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           type_="authentication_error", code="invalid_api_key")
+        validate.check_api_key(request.headers.get("authorization"), self.key_digest)
 
     @api.get("/health")
     async def health(self):
@@ -593,7 +542,7 @@ class SpeculativeServer:
         t0 = time.perf_counter()
         try:
             self._auth(request)
-            req = parse(await request.body(), kind)
+            req = parse(await validate.read_body(request, self.cfg.max_request_bytes), kind)
             prompt = self.engine.prompt_ids(req)
             sp, depth, stop = self.engine.sampling(req, len(prompt))
         except ApiError as e:
@@ -610,6 +559,9 @@ class SpeculativeServer:
         except asyncio.CancelledError:
             job.close("cancelled")
             raise
+        except RequestTimeout as e:
+            job.close(str(e.status))
+            return e.response()
         except Exception as e:  # a bug must not take the replica down
             job.close("500")
             log.exception("generation failed")
@@ -648,9 +600,15 @@ def fit_cpus(cfg: ServeConfig) -> ServeConfig:
         replica=(cfg.cpus_per_replica, replicas))["replica"])
 
 
+# Serve notices a dead replica at its next health check: every 10 s by default, so a killed
+# replica was replaced ~14 s later (tests/serve/test_faults.py). SpeculativeServer.check_health
+# is a no-op on the decode thread, so checking every 2 s costs nothing.
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
 def deployment_options(cfg: ServeConfig) -> dict:
     """The Serve deployment options: replica resources (pinned to `node_resource`), limits,
-    scaling."""
+    health checks, scaling."""
     from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER
     actor = {"num_cpus": cfg.cpus_per_replica, "num_gpus": cfg.gpus_per_replica}
     if cfg.node_resource:
@@ -658,7 +616,8 @@ def deployment_options(cfg: ServeConfig) -> dict:
     scale = ({"autoscaling_config": cfg.autoscaling} if cfg.autoscaling
              else {"num_replicas": cfg.num_replicas})
     return {"ray_actor_options": actor, "max_ongoing_requests": cfg.max_ongoing_requests,
-            "max_queued_requests": cfg.max_queued_requests, **scale}
+            "max_queued_requests": cfg.max_queued_requests,
+            "health_check_period_s": HEALTH_CHECK_PERIOD_S, **scale}
 
 
 def resolve_paths(cfg: ServeConfig) -> ServeConfig:

@@ -1,7 +1,7 @@
 """Measure this machine for the planner: a verifier forward over 1..k tokens after a KV cache,
 a drafter step as a round runs it, a drafter forward of k query tokens (a parallel round's one
-forward), and with several GPUs the all-reduce curve -> a node profile (plan/planner.py reads
-it).
+forward), the verify surface over batch size x tokens per sequence (a batched forward), and
+with several GPUs the all-reduce curve -> a node profile (plan/planner.py reads it).
 
     eagle3-ray profile --max-tokens 9 --out /tmp/cpu.yaml              # CPU, ~1 min
 """
@@ -22,24 +22,31 @@ from eagle3_ray.train import checkpoint, kinds
 
 
 PARALLEL_KS = (1, 2, 4, 8, 16)      # query tokens of the drafter forwards `profile` times
+BATCH_SIZES = (1, 2, 4, 8)          # batches of the verify surface `profile` times
+BATCH_TOKENS = (1, 2, 3, 5)         # tokens per sequence in each: depths 0, 1, 2, 4
 
 
 def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
                     max_tokens: int = 33, context: int = 256, reps: int = 5, warmup: int = 1,
                     name: str | None = None, parallel_ks=PARALLEL_KS,
-                    draft_collectives: int | None = None) -> planner.NodeProfile:
+                    draft_collectives: int | None = None, batch_sizes=BATCH_SIZES,
+                    batch_tokens=BATCH_TOKENS) -> planner.NodeProfile:
     """Time this machine: one verifier forward over 1..max_tokens tokens after a `context`-token
     KV cache (median of `reps`, the decoder's own verify call, aux hooks included), one drafter
     step (a trained drafter dir, else an untrained one of the same shape), one drafter forward
     of k query tokens for k in `parallel_ks` (measure_draft_parallel), and, only with several
-    GPUs, the NCCL all-reduce curve (add_allreduce_curve; α/β fitted to it as the fallback).
-    -> a NodeProfile (gpus=1, N_ar=0 on one device). draft_collectives: per drafter forward
-    (default: 0 on one device; with several, planner.DRAFT_COLLECTIVES_TP, as vLLM and SGLang
-    run the drafter at the verifier's tensor-parallel degree)."""
+    GPUs, the NCCL all-reduce curve (add_allreduce_curve; α/β fitted to it as the fallback),
+    and the verify surface over `batch_sizes` x `batch_tokens` (measure_verify_batch; none
+    given: batch 1 only). -> a NodeProfile (gpus=1, N_ar=0 on one device). draft_collectives:
+    per drafter forward (default: 0 on one device; with several,
+    planner.DRAFT_COLLECTIVES_TP, as vLLM and SGLang run the drafter at the verifier's
+    tensor-parallel degree)."""
     spec = spec or verifier.EMBEDDED_VERIFIER
     ngpu = torch.cuda.device_count()
     model = verifier.load_verifier(spec, num_gpus=ngpu)                   # its default dtype
     cfg = model.config
+    surface = (measure_verify_batch(model, batch_sizes, batch_tokens, context, reps, warmup)
+               if batch_sizes else None)   # before the Speculator makes it a batch-1 decoder
     if drafter_dir:
         drafter = checkpoint.load_trained_drafter(drafter_dir, spec)[0]
     else:
@@ -61,13 +68,55 @@ def measure_profile(spec: str | None = None, drafter_dir: str | None = None,
                         if ngpu > 1 else "")
                      + ("; a PARALLEL drafter: draft_step_ms is its 4-draft round's one forward "
                         "/ 4, draft_parallel_ms its forward of k tokens"
-                        if getattr(drafter.config, "parallel", False) else "")),
-        draft_parallel_ms=parallel_ms)
+                        if getattr(drafter.config, "parallel", False) else "")
+                     + (f"; verify_batch_ms: the plain batched forward (transformers' own "
+                        f"kernels, as a batching engine runs one), batches {sorted(surface)}"
+                        if surface else "")),
+        draft_parallel_ms=parallel_ms, verify_batch_ms=surface)
     if ngpu > 1:                        # NCCL all-reduce time per message size: the curve
         p = planner.add_allreduce_curve(p, ngpu, 2 * verifier.text_config(cfg).num_hidden_layers + 2)
     if draft_collectives is None:
         draft_collectives = planner.DRAFT_COLLECTIVES_TP if ngpu > 1 else 0
     return dataclasses.replace(p, draft_collectives=draft_collectives)
+
+
+def measure_verify_batch(model, batch_sizes=BATCH_SIZES, tokens=BATCH_TOKENS,
+                         context: int = 256, reps: int = 5, warmup: int = 1
+                         ) -> dict[int, dict[int, float]]:
+    """The verify surface: one forward of B sequences with t new tokens each after a
+    `context`-token KV cache per sequence (random tokens), for B in `batch_sizes` and t in
+    `tokens` -> {B: {t: median ms}}, each row made non-decreasing. The model's own batched
+    forward (transformers' kernels, logits of every position), so it must run before a
+    Speculator turns the model into a batch-1 decoder; its batch-1 row (B = 1 in
+    `batch_sizes`) is that forward's too, which the schedule prices batch 1 with instead of
+    the decoder's verify_ms, so that batch 1 and 2 compare like with like. The shapes are timed round robin,
+    `warmup + reps` rounds; each cache is cropped back after each forward."""
+    bs, ts = sorted({int(b) for b in batch_sizes}), sorted({int(t) for t in tokens})
+    if not bs or bs[0] < 1 or bs[-1] < 2 or not ts or ts[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, one of them >= 2, and tokens >= 1, got "
+                         f"{bs}, {ts}")
+    dev = next(model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    vocab = verifier.text_config(model.config).vocab_size
+    g = torch.Generator().manual_seed(0)
+    samples = {(b, t): [] for b in bs for t in ts}
+    with torch.inference_mode():
+        for b in bs:
+            ids = torch.randint(0, vocab, (b, context + ts[-1]), generator=g).to(dev)  # [B, C+T]
+            cache = DynamicCache()
+            model(input_ids=ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
+            for _ in range(warmup + reps):
+                for t in ts:
+                    pos = torch.arange(context, context + t, device=dev)[None].expand(b, t)
+                    sync()
+                    t0 = time.perf_counter()
+                    model(input_ids=ids[:, context:context + t], cache=cache, use_cache=True,
+                          position_ids=pos)                                # logits [B, t, V]
+                    sync()
+                    samples[(b, t)].append(time.perf_counter() - t0)
+                    cache.crop(-t)                                     # back to the context
+    return {b: planner.monotone_curve({t: statistics.median(samples[(b, t)][warmup:]) * 1e3
+                                       for t in ts}) for b in bs}
 
 
 def measure_draft_parallel(drafter, ks=PARALLEL_KS, context: int = 256, reps: int = 5,

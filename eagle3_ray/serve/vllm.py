@@ -72,13 +72,16 @@ The drafter directory must be readable at the same path on the serving node (sha
 as the verifier must: vLLM loads both there. dtype and eager are decided on the driver's host
 (engine.vllm), so on a CPU cluster give --dtype / --eager for the serving nodes' CPUs.
 
-API key: not supported with this engine. Ray 2.60's OpenAI ingress
-(ray/llm/_internal/serve/core/ingress/ingress.py, OpenAiIngress) has no authentication, and
-vLLM's own `api_key` frontend argument only guards vLLM's own FastAPI app, which Ray uses only on
-its opt-in direct-streaming path (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING=1; not tried here).
-Rather than serve without the check the user asked for, `llm_config` refuses cfg.api_key (note:
-ServeConfig reads EAGLE3_RAY_API_KEY by default): put an authenticating gateway in front, or
-use the builtin engine, which checks the key itself.
+The same API as the builtin app (serve/validate.py, serve/vllm_ingress.py): Ray 2.60's OpenAI
+ingress has no authentication, no /health and passes unknown roles and fields to vLLM, and
+vLLM's own `api_key` frontend argument guards only vLLM's own FastAPI app (used by Ray only on
+its opt-in direct-streaming path). So `serving_args` names our subclass of Ray's OpenAiIngress
+in LLMServingArgs.ingress_cls_config (Ray Serve LLM's documented seam for a custom ingress):
+cfg.api_key (--api-key / EAGLE3_RAY_API_KEY) enforced on every route of the app but /health,
+401 with the builtin's body (the Serve config carries its sha256, not the key); GET /health
+(200 once the engine replica passes its health check); the builtin's checks of roles, content
+types, sampling fields and the body size; `speculation_depth` may only name the served depth.
+/metrics is a separate app and needs no key, as on the builtin app.
 
 CPU-sized command (2 cores, ~1 min to start; needs .venv-vllm from scripts/setup_vllm.sh and a
 drafter, e.g. `eagle3-ray demo`'s; the verifier is the embedded SmolLM2-135M as a transformers
@@ -86,8 +89,9 @@ dir):
 
     .venv/bin/eagle3-ray serve --engine vllm --verifier \
         "$(.venv/bin/python -m eagle3_ray.engine.hf --materialize)" \
-        --drafter runs/demo/train/drafter --depth 3 --api-key ''
-    curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d \
+        --drafter runs/demo/train/drafter --depth 3 --api-key sk-x
+    curl -s localhost:8000/health
+    curl -s localhost:8000/v1/chat/completions -H 'Authorization: Bearer sk-x' -d \
         '{"model": "eagle3-ray", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}'
     curl -s localhost:8000/metrics | grep spec_decode
 """
@@ -103,14 +107,17 @@ import time
 import urllib.request
 
 from eagle3_ray.engine import vllm as engine_vllm
+from eagle3_ray.serve import validate
 
 EXPORT_SUBDIR = "export-vllm"             # <drafter>/export-vllm
 SOURCE_FILE = "eagle3_ray_source.json"    # in the export: sizes + sha256 of the drafter it came from
 OPENAI_BUILDER = "ray.serve.llm:build_openai_app"
 METRICS_BUILDER = "eagle3_ray.serve.vllm:metrics_app"
+INGRESS_CLS = "eagle3_ray.serve.vllm_ingress:Eagle3Ingress"  # imported in the engine env only
 METRICS_ROUTE = "/metrics"
 DEPLOY_TIMEOUT_S = 1800.0                 # a Kimi-sized verifier loads for many minutes
 CONSTRUCTOR_RETRIES = 3                   # Serve's default 20 restarts a broken engine for hours
+HEALTH_CHECK_PERIOD_S = 2.0               # Serve's default 10: a dead engine core served errors ~30 s
 
 
 # --- the drafter in vLLM's layout ---------------------------------------------------------------
@@ -159,13 +166,8 @@ def ensure_vllm_export(cfg) -> str:
 
 # --- LLMConfig ----------------------------------------------------------------------------------
 
-def refuse_api_key(cfg) -> None:
-    """No API key check exists in ray.serve.llm's OpenAI app (module docstring): refuse one."""
-    if cfg.api_key:
-        raise ValueError(
-            "api_key is set (cfg.api_key or EAGLE3_RAY_API_KEY), but ray.serve.llm's OpenAI app "
-            "(Ray 2.60) checks no API key: refusing to serve without it. Put an authenticating "
-            "gateway in front and unset the key, or use --engine builtin")
+def refuse_builtin_only(cfg) -> None:
+    """Refuse the builtin engine's features vLLM does not have (its fixed depth)."""
     if cfg.dynamic_depth or cfg.simulate_interconnect:
         raise ValueError("dynamic_depth and simulate_interconnect are features of the builtin "
                          "engine; vLLM serves the fixed depth (num_speculative_tokens)")
@@ -269,8 +271,13 @@ def check_cpu_drafter_layer(model_dir: str, export_dir: str, gpus: float = 0) ->
                          "(--gpus-per-replica); the builtin engine serves either")
 
 
-def eagle3_speculative_config(export_dir: str, depth: int) -> dict:
-    """vLLM's speculative_config for our drafter export at `depth` (> 0) draft tokens.
+def eagle3_speculative_config(export_dir: str, depth: int,
+                              schedule: list | None = None) -> dict:
+    """vLLM's speculative_config for our drafter export at `depth` (> 0) draft tokens, or, with
+    `schedule` ([[batch from, batch to, k], ...], inclusive, the first from 1, each k <= depth:
+    plan/load.py's depth_schedule), at up to `depth` with the k of each batch-size range:
+    `num_speculative_tokens_per_batch_size` (vllm/v1/spec_decode/dynamic/utils.py validates it,
+    the scheduler looks the k up per step; vLLM drops it under data parallelism).
 
     Key names from vLLM's SpeculativeConfig (vllm/config/speculative.py in
     github:vllm-project/vllm): `method` ("eagle3" is one of its EagleModelTypes), `model` (the
@@ -282,21 +289,32 @@ def eagle3_speculative_config(export_dir: str, depth: int) -> dict:
     the bonus token in one drafter forward (v1/spec_decode/dflash.py), as the builtin engine's
     round at that depth does."""
     if drafts_in_blocks(export_dir):
-        return {"method": "dflash", "model": export_dir, "num_speculative_tokens": int(depth)}
-    spec = {"method": "eagle3", "model": export_dir, "num_speculative_tokens": int(depth)}
-    if drafts_in_parallel(export_dir):
-        spec["parallel_drafting"] = True
+        spec = {"method": "dflash", "model": export_dir, "num_speculative_tokens": int(depth)}
+    else:
+        spec = {"method": "eagle3", "model": export_dir, "num_speculative_tokens": int(depth)}
+        if drafts_in_parallel(export_dir):
+            spec["parallel_drafting"] = True
+    if schedule:
+        rows = [[int(a), int(b), int(k)] for a, b, k in schedule]
+        if max(k for _, _, k in rows) != int(depth):
+            raise ValueError(f"schedule {rows}: its largest k must be num_speculative_tokens "
+                             f"({depth})")
+        spec["num_speculative_tokens_per_batch_size"] = rows
     return spec
 
 
 def speculative_config(cfg, drafter_dir: str | None) -> dict | None:
     """vLLM's speculative_config for our EAGLE-3 drafter's export `drafter_dir`
-    (eagle3_speculative_config), None without drafter or at depth 0."""
+    (eagle3_speculative_config), None without drafter or at depth 0. cfg.depth_schedule
+    (`--depth auto`: the planner's depth per batch-size range, cfg.depth its largest k) goes in
+    as num_speculative_tokens_per_batch_size; a schedule of 0 everywhere has cfg.depth 0: no
+    speculation."""
     if cfg.depth < 0:
         raise ValueError(f"depth {cfg.depth}: must be >= 0")
     if not drafter_dir or cfg.depth == 0:
         return None
-    return eagle3_speculative_config(drafter_dir, cfg.depth)
+    return eagle3_speculative_config(drafter_dir, cfg.depth,
+                                     getattr(cfg, "depth_schedule", None))
 
 
 def placement_group_config(cfg) -> dict:
@@ -319,6 +337,9 @@ def deployment_config(cfg) -> dict:
     d = {"max_ongoing_requests": cfg.max_ongoing_requests,
          "max_queued_requests": cfg.max_queued_requests,
          "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
+         # LLMServer.check_health raises once vLLM's engine core is dead; Serve replaces the
+         # replica after 3 failed checks: every 2 s instead of 10 (tests/serve/test_serve_vllm.py)
+         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
          "ray_actor_options": {"num_cpus": _replica_cpus(cfg) if cfg.gpus_per_replica else 0}}
     if cfg.autoscaling:
         d["autoscaling_config"] = dict(cfg.autoscaling)
@@ -346,8 +367,8 @@ def engine_kwargs(cfg, drafter_dir: str | None) -> dict:
 
 def llm_config(cfg, drafter_dir: str | None) -> dict:
     """Keyword arguments of ray.serve.llm.LLMConfig for `cfg`, serving the vLLM export
-    `drafter_dir` (None: plain decoding). Refuses cfg.api_key (see the module docstring)."""
-    refuse_api_key(cfg)
+    `drafter_dir` (None: plain decoding)."""
+    refuse_builtin_only(cfg)
     gpus = float(cfg.gpus_per_replica or 0)
     return {
         "model_loading_config": {"model_id": cfg.model_name, "model_source": verifier_source(cfg)},
@@ -360,17 +381,32 @@ def llm_config(cfg, drafter_dir: str | None) -> dict:
     }
 
 
+def ingress_cls_config(cfg, drafter_dir: str | None) -> dict:
+    """LLMServingArgs.ingress_cls_config: Ray's OpenAI ingress subclassed (vllm_ingress.py) with
+    the API key (its sha256 only: the Serve config is readable), /health, the body bound and
+    the builtin's request checks; `depth` is the one vLLM serves (0 without speculation)."""
+    depth = int(cfg.depth) if drafter_dir else 0
+    return {"ingress_cls": INGRESS_CLS, "ingress_extra_kwargs": {
+        "model_name": cfg.model_name, "depth": depth,
+        "api_key_sha256": validate.key_digest(cfg.api_key) if cfg.api_key else None,
+        "max_request_bytes": int(getattr(cfg, "max_request_bytes",
+                                         validate.DEFAULT_MAX_REQUEST_BYTES)),
+        "max_model_len": cfg.max_model_len, "tokenizer": verifier_source(cfg)}}
+
+
 def serving_args(cfg, drafter_dir: str | None) -> dict:
     """The argument of ray.serve.llm.build_openai_app (an LLMServingArgs dict): our one model,
-    and the OpenAI ingress asking no CPU (it only relays; Ray's own LLM router does the same),
-    so a small CPU cluster keeps its CPUs for the engine."""
+    our ingress class (ingress_cls_config), and the OpenAI ingress asking no CPU (it only
+    relays; Ray's own LLM router does the same), so a small CPU cluster keeps its CPUs for the
+    engine."""
     return {"llm_configs": [llm_config(cfg, drafter_dir)],
+            "ingress_cls_config": ingress_cls_config(cfg, drafter_dir),
             "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0}}}
 
 
 def prepare(cfg) -> str | None:
     """Driver-side checks and the drafter's export -> its path (None: plain decoding)."""
-    refuse_api_key(cfg)
+    refuse_builtin_only(cfg)
     if cfg.depth and not cfg.drafter:
         raise ValueError(f"depth {cfg.depth} needs a drafter (--drafter), or use depth 0")
     verifier_source(cfg)                  # refuses an embedded verifier before any work
@@ -567,7 +603,7 @@ def build_vllm_app(cfg):
     """The OpenAI Serve application (/v1/chat/completions, /v1/completions, /v1/models) over
     one vLLM deployment with the EAGLE-3 drafter, built in this process: for a Serve config
     run by the engine python (`deploy` is the driver's way, and adds /metrics)."""
-    refuse_api_key(cfg)
+    refuse_builtin_only(cfg)
     if cfg.depth and not cfg.drafter:
         raise ValueError(f"depth {cfg.depth} needs a drafter (--drafter), or use depth 0")
     _require_vllm()                       # before any work: fail fast on a machine without it

@@ -16,13 +16,17 @@ trained here for a few steps on the verifier's own greedy continuations (draft v
 depth 3, fp32, eager; the official `openai` client asks for greedy chat and completions, plain
 and streaming, whose tokens must equal the builtin decoder at depth 0 and transformers'
 `generate`; then vLLM's spec-decode counters must show up on the app's /metrics and feed the
-planner. The app is shut down after. ~2 min on 2 busy cores, most of it vLLM's start (its
-imports in the build task, the replica, the engine core and its worker).
+planner; our ingress (vllm_ingress.py) must enforce the API key (the app is served with one),
+answer /health, and refuse conftest's malformed requests as the builtin app does. Last, the
+faults (destructive: they stay at the end): a burst past the bound (503, no 500), dropped
+streams (slots freed), a 408, and the engine core then the replica killed mid-stream (an error
+event, then a new replica serving: ~40 s each). The app is shut down after. ~3.5 min on 2 busy
+cores, most of it vLLM's starts (its imports in the build task, the replica, the engine core
+and its worker).
 """
 import importlib.util
 import json
 import os
-import socket
 import sys
 import time
 import types
@@ -30,6 +34,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import UNAUTHORIZED, check_malformed, free_port, malformed_requests, missing_engine_env
 
 from eagle3_ray.engine import vllm as engine_vllm
 from eagle3_ray.extract.pipeline import NODE_RESOURCE_SLIVER
@@ -190,6 +195,7 @@ def test_serve_apps_run_in_the_engine_environment(drafter_dir, verifier_dir, eng
     assert llm_app.runtime_env == metrics_app.runtime_env == {"py_executable": engine_python}
     args = json.loads(json.dumps(llm_app.args))                   # plain data
     assert args["ingress_deployment_config"] == {"ray_actor_options": {"num_cpus": 0}}
+    assert args["ingress_cls_config"]["ingress_cls"] == serve_vllm.INGRESS_CLS
     (llm,) = args["llm_configs"]
     assert llm["engine_kwargs"]["speculative_config"]["model"] == serve_vllm.vllm_export_dir(cfg)
     assert metrics_app.args == {"model_name": "m", "depth": 3}
@@ -303,8 +309,6 @@ def test_a_block_drafter_export_asks_vllm_for_dflash(tmp_path, verifier_dir, eng
 
 
 def test_clear_errors(verifier_dir, drafter_dir, engine_python):
-    with pytest.raises(ValueError, match="api_key.*builtin"):
-        serve_vllm.llm_config(make_cfg(verifier=verifier_dir, api_key="sk-x"), None)
     with pytest.raises(ValueError, match="builtin engine"):
         serve_vllm.llm_config(make_cfg(verifier=verifier_dir, dynamic_depth=True), None)
     with pytest.raises(ValueError, match="whole GPUs"):
@@ -317,6 +321,28 @@ def test_clear_errors(verifier_dir, drafter_dir, engine_python):
         serve_vllm.app_configs(make_cfg(verifier=verifier_dir, depth=4))
     with pytest.raises(ValueError, match="no drafter"):
         serve_vllm.vllm_export_dir(make_cfg(verifier=verifier_dir))
+
+
+def test_the_ingress_gets_the_key_as_a_digest_and_the_served_depth(verifier_dir, drafter_dir,
+                                                                   engine_python):
+    """The API key reaches our ingress class (vllm_ingress.Eagle3Ingress, named in
+    LLMServingArgs.ingress_cls_config) as its sha256 only: the Serve app config is readable."""
+    from eagle3_ray.serve import validate
+    cfg = make_cfg(verifier=verifier_dir, drafter=drafter_dir, model_name="m", depth=3,
+                   api_key="sk-secret")
+    (app, _) = serve_vllm.app_configs(cfg, "x")
+    ingress = app["args"]["ingress_cls_config"]
+    assert ingress["ingress_cls"] == "eagle3_ray.serve.vllm_ingress:Eagle3Ingress"
+    kw = ingress["ingress_extra_kwargs"]
+    assert kw["api_key_sha256"] == validate.key_digest("sk-secret")
+    assert kw["model_name"] == "m" and kw["depth"] == 3 and kw["max_request_bytes"] > 0
+    assert "sk-secret" not in json.dumps(app)
+    plain = serve_vllm.serving_args(make_cfg(verifier=verifier_dir, depth=0), None)
+    assert plain["ingress_cls_config"]["ingress_extra_kwargs"]["api_key_sha256"] is None
+    assert plain["ingress_cls_config"]["ingress_extra_kwargs"]["depth"] == 0
+    with pytest.raises(validate.ApiError, match="API key"):
+        validate.check_api_key("Bearer sk-wrong", kw["api_key_sha256"])
+    validate.check_api_key("Bearer sk-secret", kw["api_key_sha256"])
 
 
 def test_full_vocab_drafter_exports_without_d2t(verifier_dir, tmp_path):
@@ -358,26 +384,14 @@ def test_no_engine_environment_says_how_to_make_one(drafter_dir, verifier_dir, m
 # --- served for real: vLLM's CPU build in .venv-vllm ------------------------------------------
 
 MODEL = "tiny"
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 DEPTH = 3
 QUESTIONS = ["Tell me about rivers.", "What is the capital of France?", "Count to five.",
              "Write a poem about the sea."]
 MAX_TOKENS = 24
 
 
-def missing_engine_env() -> str | None:
-    """Why there is no vLLM environment (engine.vllm.engine_python's RuntimeError), or None.
-    A wrong $EAGLE3_RAY_VLLM_PYTHON is an error, not a skip."""
-    try:
-        engine_vllm.engine_python()
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +416,8 @@ def served(ray_cluster, vllm_verifier, tmp_path_factory, train_tiny_drafter):
         torch.set_num_threads(threads)
     cfg = ServeConfig(verifier=vllm_verifier, drafter=drafter, model_name=MODEL, depth=DEPTH,
                       engine="vllm", dtype="fp32", eager=True, cpus_per_replica=1,
-                      max_model_len=512, api_key=None, port=free_port())
+                      max_model_len=512, api_key=KEY, max_request_bytes=1 << 16,
+                      port=free_port())
     print(f"[test] drafter trained in {time.perf_counter() - t0:.0f}s", flush=True)
     t0 = time.perf_counter()
     try:
@@ -443,7 +458,7 @@ def test_served_greedy_equals_builtin_and_generate(served, expected):
     url, prompts = served
     builtin, hf, tok = expected
     assert builtin == hf                                   # the references agree
-    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [MODEL]
     for q, p, want in zip(QUESTIONS, prompts, builtin):
         messages = [{"role": "user", "content": q}]
@@ -477,10 +492,10 @@ def test_served_spec_decode_counters_on_metrics(served):
     url, prompts = served
     requests.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompts[0],
                                                  "temperature": 0, "max_tokens": MAX_TOKENS},
-                  timeout=120).raise_for_status()
+                  headers=AUTH, timeout=120).raise_for_status()
     deadline, m = time.monotonic() + 90, {}
     while time.monotonic() < deadline:
-        r = requests.get(url + "/metrics", timeout=30)
+        r = requests.get(url + "/metrics", timeout=30)           # no key: as documented
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
         m = planner.parse_metrics(r.text)
         if m.get("eagle3_ray_rounds_total", 0) > 0:
@@ -500,3 +515,241 @@ def test_served_spec_decode_counters_on_metrics(served):
     assert m["eagle3_ray_accepted_tokens_total"] == sum(accepted)
     cond, known, desc = planner.acceptance_from(url)
     assert known == DEPTH and cond[0] == pytest.approx(accepted[0] / rounds)
+
+
+def test_served_api_key_health_and_bad_input_as_the_builtin(served):
+    """Our ingress (vllm_ingress.py) on the real vLLM app answers as the builtin app does: the
+    API key on every OpenAI route (the builtin's 401 body), /health and /metrics open,
+    conftest's table of malformed requests refused with the same 4xx, then still serving; n > 1
+    is vLLM's to serve; speculation_depth may name the served depth only."""
+    import requests
+    url, _ = served
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
+          "max_tokens": 2}
+    routes = [("POST", "/v1/chat/completions", ok),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+              ("GET", "/v1/models", None), ("GET", f"/v1/models/{MODEL}", None),
+              ("POST", "/tokenize", {"model": MODEL, "prompt": "Hi"})]
+    for method, path, body in routes:
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": KEY}):
+            r = requests.request(method, url + path, json=body, headers=headers, timeout=60)
+            assert (r.status_code, r.json()) == (401, UNAUTHORIZED), (path, headers, r.text)
+    r = requests.get(url + "/v1/models", headers=AUTH, timeout=60)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+    health = requests.get(url + "/health", timeout=60)
+    assert health.status_code == 200, health.text
+    assert health.json() == {"status": "ok", "engine": "vllm", "model": MODEL,
+                             "speculation_depth": DEPTH}
+    assert requests.get(url + "/metrics", timeout=60).status_code == 200
+
+    cases = malformed_requests(MODEL, 512, 1 << 16)
+    assert check_malformed(url, AUTH, cases, ok) == []
+    r = requests.post(url + "/v1/chat/completions", json=dict(ok, n=2, temperature=1.0),
+                      headers=AUTH, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    r = requests.post(url + "/v1/chat/completions", json=dict(ok, speculation_depth=DEPTH),
+                      headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    assert requests.get(url + "/health", timeout=60).status_code == 200
+
+
+# --- faults on the served app: destructive, so keep these last (the replica is restarted twice;
+# tests/serve/test_faults.py has the builtin engine's) ------------------------------------------
+
+VLLM_APP = "eagle3-vllm"                  # `served`'s Serve app
+LONG_TOKENS = 440                         # with ignore_eos: a stream of several seconds here
+
+
+def _fault_post(url, max_tokens=8, stream=False, headers=None, timeout=120):
+    import requests
+    body = {"model": MODEL, "prompt": "Count to five.", "temperature": 0,
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+    return requests.post(url + "/v1/completions", json=body, headers={**AUTH, **(headers or {})},
+                         stream=stream, timeout=timeout)
+
+
+def _fault_burst(url, n, max_tokens=8):
+    """n concurrent completions -> [(status, seconds)]."""
+    import threading
+    out = []
+
+    def one():
+        t = time.perf_counter()
+        r = _fault_post(url, max_tokens)
+        out.append((r.status_code, time.perf_counter() - t))
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _llm_replicas() -> list[dict]:
+    """The LLMServer replicas of `served`'s app (replica_id, state, pid, actor_name, ...)."""
+    from ray.serve.context import _get_global_client
+    app = _get_global_client().get_serve_details()["applications"].get(VLLM_APP) or {}
+    return [r for name, d in (app.get("deployments") or {}).items()
+            if name.startswith("LLMServer") for r in d["replicas"]]
+
+
+def _llm_running(other_than=None, timeout_s=300.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for r in _llm_replicas():
+            if r["state"] == "RUNNING" and r["replica_id"] != other_than:
+                return r
+        time.sleep(0.5)
+    raise AssertionError(f"no RUNNING LLMServer replica but {other_than} after {timeout_s}s: "
+                         f"{_llm_replicas()}")
+
+
+def _engine_cores(replica_pid: int) -> list:
+    """vLLM's engine core process(es) under the replica (process title VLLM::EngineCore)."""
+    import psutil
+    return [p for p in psutil.Process(replica_pid).children(recursive=True)
+            if "EngineCore" in " ".join(p.cmdline() or [p.name()])]
+
+
+def _stream_cut(url, on_first):
+    """Stream a long completion; on_first() after its first event -> (events, error, seconds
+    from on_first to the stream's end)."""
+    import requests
+    events, err, t_first = [], None, None
+    with _fault_post(url, LONG_TOKENS, stream=True) as r:
+        assert r.status_code == 200, r.text
+        try:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line.decode())
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                        on_first()
+        except (requests.exceptions.ChunkedEncodingError,
+                requests.exceptions.ConnectionError) as e:
+            err = e
+    return events, err, time.perf_counter() - t_first
+
+
+def _finished(events) -> bool:
+    """Whether a completion stream ended normally (a finish_reason, then [DONE])."""
+    body = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    return any(c.get("finish_reason") for b in body for c in b.get("choices") or [])
+
+
+def test_served_overload_gets_503_or_queueing_never_500(served):
+    """A burst past max_ongoing_requests (4) + max_queued_requests (16): 200 for those the
+    replica runs or queues, 503 at once for the rest; no 500, no hang."""
+    url, _ = served
+    results = _fault_burst(url, 28)
+    codes = sorted(c for c, _ in results)
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 4, codes
+    fastest_503 = max(s for c, s in results if c == 503)
+    slowest_200 = max(s for c, s in results if c == 200)
+    assert fastest_503 < min(2.0, slowest_200), results
+    print(f"\n[faults] vllm burst of 28 at 4+16: {codes.count(200)}x200 + "
+          f"{codes.count(503)}x503, 503s within {fastest_503:.2f}s, slowest 200 "
+          f"{slowest_200:.2f}s")
+
+
+def test_served_disconnects_free_their_slots(served):
+    """Four clients drop long streams (every max_ongoing_requests slot): Serve cancels them and
+    vLLM aborts them, so four new requests are served at once, as fast as before."""
+    url, _ = served
+    base = max(s for _, s in _fault_burst(url, 4))
+    for _ in range(4):
+        with _fault_post(url, LONG_TOKENS, stream=True) as r:
+            assert next(r.iter_lines()).startswith(b"data: ")
+    after = _fault_burst(url, 4)
+    took = max(s for _, s in after)
+    assert [c for c, _ in after] == [200] * 4
+    assert took < base + 2.0, (took, base)      # behind 4 live streams: they would wait
+    print(f"\n[faults] vllm 4 disconnects: next 4 requests in {took:.2f}s (before {base:.2f}s)")
+
+
+def test_served_timeout_is_a_408(served):
+    """Ray's proxy times a request out (here the per-request header x-request-timeout-seconds,
+    which overrides request_timeout_s): 408 with its plain-text body; a stream, whose 200 is
+    sent, is cut; the slot is free at once."""
+    url, _ = served
+    limit = {"x-request-timeout-seconds": "1.5"}
+    t0 = time.perf_counter()
+    r = _fault_post(url, LONG_TOKENS, headers=limit)
+    took = time.perf_counter() - t0
+    assert r.status_code == 408 and "timed out after 1.5s" in r.text, (r.status_code, r.text)
+    assert 1.5 <= took < 3.0, took
+    import requests
+    t0 = time.perf_counter()
+    with _fault_post(url, LONG_TOKENS, stream=True, headers=limit) as s:
+        with pytest.raises((requests.exceptions.ChunkedEncodingError,
+                            requests.exceptions.ConnectionError)):
+            for _ in s.iter_lines():
+                pass
+    took_stream = time.perf_counter() - t0
+    assert took_stream < 3.0, took_stream
+    short = _fault_burst(url, 1)
+    assert short[0][0] == 200
+    print(f"\n[faults] vllm 408 after {took:.2f}s ({r.text!r}); stream cut after "
+          f"{took_stream:.2f}s; next request {short[0][1]:.2f}s")
+
+
+def test_served_engine_core_killed_mid_stream_recovers(served):
+    """SIGKILL of vLLM's engine core process while it streams: the client's stream ends with an
+    error event and [DONE] at once (never a hang), a request meanwhile gets a 500 with vLLM's
+    error body, /health says 503 while the engine is dead,
+    LLMServer.check_health fails, Serve replaces the replica (health checks every 2 s:
+    vllm.HEALTH_CHECK_PERIOD_S), and the next requests succeed."""
+    import requests
+    url, _ = served
+    old = _llm_running()
+    (core,) = _engine_cores(old["pid"])
+    killed = {}
+
+    def kill():
+        killed["t"] = time.perf_counter()
+        os.kill(core.pid, 9)
+    events, err, to_error = _stream_cut(url, kill)
+    assert not _finished(events) and to_error < 10, (to_error, events[-3:])
+    assert err is None and events[-1] == "data: [DONE]" and '"error"' in events[-2], events[-3:]
+    during = _fault_post(url)
+    assert during.status_code >= 500, during.text
+    health = requests.get(url + "/health", timeout=60)
+    new = _llm_running(other_than=old["replica_id"])
+    to_replica = time.perf_counter() - killed["t"]
+    r = _fault_post(url)
+    assert r.status_code == 200, r.text
+    assert requests.get(url + "/health", timeout=60).status_code == 200
+    print(f"\n[faults] vllm engine core killed mid-stream: client error after {to_error:.2f}s "
+          f"({events[-2][:160]}), a request then: "
+          f"{during.status_code} {during.text[:80]!r}, /health {health.status_code}; new "
+          f"replica RUNNING after {to_replica:.0f}s")
+
+
+def test_served_replica_killed_mid_stream_recovers(served):
+    """ray.kill of the LLMServer replica actor while it streams: the stream ends at once with an
+    error event and [DONE] (the ingress survives; vllm_ingress.error_tail), the replica's engine
+    core goes with it (no orphan), Serve starts a new replica, the next requests succeed."""
+    import psutil
+    import ray
+    url, _ = served
+    old = _llm_running()
+    cores = _engine_cores(old["pid"])
+    killed = {}
+
+    def kill():
+        killed["t"] = time.perf_counter()
+        ray.kill(ray.get_actor(old["actor_name"], namespace="serve"), no_restart=True)
+    events, err, to_error = _stream_cut(url, kill)
+    assert not _finished(events) and to_error < 10, (to_error, events[-3:])
+    # vllm_ingress.error_tail: an error event, not a stream that ends as if it were complete
+    assert err is None and events[-1] == "data: [DONE]", events[-3:]
+    assert json.loads(events[-2][6:])["error"]["type"] == "server_error", events[-3:]
+    gone, alive = psutil.wait_procs(cores, timeout=30)
+    assert not alive, f"engine core(s) left running after the replica died: {alive}"
+    new = _llm_running(other_than=old["replica_id"])
+    to_replica = time.perf_counter() - killed["t"]
+    r = _fault_post(url)
+    assert r.status_code == 200, r.text
+    print(f"\n[faults] vllm replica killed mid-stream: client error after {to_error:.2f}s "
+          f"({events[-2][:120]}), engine core gone, new replica "
+          f"RUNNING after {to_replica:.0f}s")
