@@ -44,21 +44,6 @@ def has_surface(profile: NodeProfile) -> bool:
     return bool(profile.verify_batch_ms)
 
 
-_ROWS: dict[int, tuple] = {}    # id(verify_batch_ms) -> (it, its rows sorted): priced per round
-
-
-def _rows(profile: NodeProfile) -> tuple[list[int], dict[int, tuple[list, list]]]:
-    """The surface's batch sizes (1: its own row, else verify_ms) and each row as sorted
-    (tokens, ms) lists."""
-    surface = profile.verify_batch_ms
-    hit = _ROWS.get(id(surface))
-    if hit is None or hit[0] is not surface or hit[1] is not profile.verify_ms:
-        table = {1: profile.verify_ms, **surface}
-        rows = {b: (sorted(r), [r[x] for x in sorted(r)]) for b, r in table.items()}
-        hit = _ROWS[id(surface)] = (surface, profile.verify_ms, sorted(rows), rows)
-    return hit[2], hit[3]
-
-
 def verify_batch_compute_s(profile: NodeProfile, batch: int, tokens: int) -> float:
     """V(B, t): one verifier forward of `batch` sequences with `tokens` tokens each, compute
     only. Each batch row (verify_batch_ms; batch 1: its own row, else verify_ms, i.e.
@@ -71,7 +56,8 @@ def verify_batch_compute_s(profile: NodeProfile, batch: int, tokens: int) -> flo
         return cost.compute_s(profile, tokens)
     if not has_surface(profile):
         raise ValueError(f"profile {profile.name}: no verify_batch_ms, priced at batch 1 only")
-    bs, rows = _rows(profile)
+    rows = profile._rows
+    bs = list(rows)
 
     def at(b: int) -> float:
         return cost._interp(*rows[b], tokens)

@@ -88,6 +88,7 @@ class NodeProfile:
     _pys: list = field(default_factory=list, init=False, repr=False, compare=False)
     _bxs: list = field(default_factory=list, init=False, repr=False, compare=False)
     _bys: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self._xs = sorted(self.verify_ms)
@@ -96,6 +97,11 @@ class NodeProfile:
         self._pys = [self.draft_parallel_ms[x] for x in self._pxs]
         self._bxs = sorted(self.draft_block_ms or {})
         self._bys = [self.draft_block_ms[x] for x in self._bxs]
+        # the verify surface by batch size (batch 1: its own row, else verify_ms), each row as
+        # sorted (tokens, ms) lists: plan/load.py prices every (batch, depth) with them
+        table = {1: self.verify_ms, **(self.verify_batch_ms or {})}
+        self._rows = {b: (sorted(table[b]), [table[b][x] for x in sorted(table[b])])
+                      for b in sorted(table)}
 
 
 def _check(cond: bool, where: str, msg: str) -> None:

@@ -9,7 +9,8 @@ GPUs (the verifier sharded over them) and, with `node_resource`, a custom resour
 PCIe node type carries, so the replica lands there and nowhere else. Ray Serve does the rest:
 `max_ongoing_requests` per replica, `max_queued_requests` (overflow -> 503 at once),
 autoscaling, `request_timeout_s` (-> 408; the replica answers its own 408, an OpenAI error,
-just before the proxy would), and cancelling the request when a client disconnects. Each replica decodes one round at a time on one worker thread; concurrent
+just before the proxy would), and cancelling the request when a client disconnects. Each
+replica decodes one round at a time on one worker thread; concurrent
 requests interleave round by round (no cross-request batching in the built-in engine —
 `engine="vllm"` serves a Kimi-sized verifier through ray.serve.llm, see vllm.py).
 
@@ -37,8 +38,7 @@ from eagle3_ray.data import conversations as data
 from eagle3_ray.engine import hf as verifier_lib
 from eagle3_ray.plan import planner
 from eagle3_ray.serve import speculate, validate
-from eagle3_ray.serve.validate import (CHAT_ROLES, ApiError, ChatRequest,  # noqa: F401
-                                       CompletionRequest, parse)
+from eagle3_ray.serve.validate import ApiError, ChatRequest, CompletionRequest, parse
 from eagle3_ray.train import checkpoint
 # Prometheus text -> dict lives with its reader, the planner (no serve <-> planner import circle);
 # serve.parse_metrics stays for the demo and tests that read /metrics.
@@ -115,7 +115,7 @@ class ServeConfig:
 
 # --- requests and errors ----------------------------------------------------------------------
 
-# ApiError, ChatRequest / CompletionRequest, parse, CHAT_ROLES and the checks both engines share
+# ApiError, ChatRequest / CompletionRequest, parse and the checks both engines share
 # live in serve/validate.py (the vLLM engine's ingress runs them in vLLM's environment).
 
 
@@ -354,14 +354,14 @@ def usage(n_prompt: int, rounds: list[speculate.Round], depth, warning: str | No
             "total_tokens": n_prompt + out, "speculation": spec}
 
 
+TIMEOUT_MARGIN_S = 1.0    # the replica's 408 comes this much (at most 10%) before the proxy's
+
+
 def app_timeout_s(request_timeout_s: float) -> float:
     """When the replica itself answers 408: a little before the proxy's own request_timeout_s
     (http_options), which counts from the proxy's receipt and whose 408 has a plain-text body
     (no JSON) and, once a stream has started, is only a cut connection."""
     return request_timeout_s - min(TIMEOUT_MARGIN_S, 0.1 * request_timeout_s)
-
-
-TIMEOUT_MARGIN_S = 1.0    # the replica's 408 comes this much (at most 10%) before the proxy's
 
 
 class RequestTimeout(ApiError):

@@ -89,8 +89,8 @@ def measure_verify_batch(model, batch_sizes=BATCH_SIZES, tokens=BATCH_TOKENS,
     forward (transformers' kernels, logits of every position), so it must run before a
     Speculator turns the model into a batch-1 decoder; its batch-1 row (B = 1 in
     `batch_sizes`) is that forward's too, which the schedule prices batch 1 with instead of
-    the decoder's verify_ms, so that batch 1 and 2 compare like with like. The shapes are timed round robin,
-    `warmup + reps` rounds; each cache is cropped back after each forward."""
+    the decoder's verify_ms, so that batch 1 and 2 compare like with like. The shapes are
+    timed round robin, `warmup + reps` rounds; each cache is cropped back after each forward."""
     bs, ts = sorted({int(b) for b in batch_sizes}), sorted({int(t) for t in tokens})
     if not bs or bs[0] < 1 or bs[-1] < 2 or not ts or ts[0] < 1:
         raise ValueError(f"batch sizes must be >= 1, one of them >= 2, and tokens >= 1, got "
