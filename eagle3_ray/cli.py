@@ -262,21 +262,8 @@ def serve_depth(a: argparse.Namespace) -> tuple[int, bool, list | None]:
         raise ValueError("--engine vllm --depth auto needs --profile (a packaged node profile or "
                          "the YAML `eagle3-ray profile --out FILE` measures): the schedule is "
                          "priced on its verify surface over batch sizes")
-    from eagle3_ray.plan import acceptance, load, profiles
-    kind = acceptance.drafting_of(a.drafter) or "chain"
-    try:
-        cond, known, _ = acceptance.acceptance_from(a.drafter, None, kind)
-    except ValueError:
-        cond, known = [0.5], 1
-        print(f"[serve] warning: {a.drafter}: no held-out acceptance in its metadata; the "
-              f"schedule is planned from 0.5 per position")
-    r = load.depth_schedule(cond, profiles.load_profile(a.profile), a.max_depth,
-                            load.MAX_BATCH, kind, known_depth=known)
-    depth, schedule = load.vllm_schedule(r)
-    print(f"[serve] depth auto on {r['profile']}: num_speculative_tokens {depth}, "
-          f"num_speculative_tokens_per_batch_size {schedule}")
-    for w in r["warnings"]:
-        print(f"[serve] warning: schedule: {w}")
+    from eagle3_ray.plan import load
+    depth, schedule, _ = load.planned_schedule(a.drafter, a.profile, a.max_depth, log="[serve]")
     return depth, False, schedule
 
 
@@ -364,6 +351,45 @@ def cmd_profile(a):
     for b, row in (prof.verify_batch_ms or {}).items():
         print(f"[profile] verify of batch {b}: " + ", ".join(
             f"{t} tokens each {v:.2f} ms" for t, v in row.items()))
+    if a.engine == "vllm":
+        prof = profile_vllm_rounds(a, prof)
+        profiles.save_profile(prof, a.out)
+        print(f"[profile] {prof.round_engine}: rounds of batch B at depth k (ms) -> {a.out}")
+        for b, ms in prof.plain_batch_ms.items():
+            print(f"[profile]   B={b}: plain {ms:.1f}, " + ", ".join(
+                f"k={k} {row[b]:.1f}" for k, row in prof.round_batch_ms.items()))
+
+
+def profile_vllm_rounds(a, prof):
+    """`profile --engine vllm`: vLLM's own rounds over batch size x depth
+    (serve.profile_vllm) added to `prof`, measured as `serve --engine vllm` would run the
+    engine; the arms' raw records beside the YAML (<out>.rounds.json)."""
+    import dataclasses
+    import json
+    from eagle3_ray.engine import hf
+    from eagle3_ray.serve import profile_vllm
+    from eagle3_ray.serve.app import ServeConfig
+    if not a.drafter:
+        raise ValueError("profile --engine vllm needs --drafter (the drafter it serves)")
+    import torch
+    cfg = ServeConfig(verifier=hf.materialize(a.verifier), drafter=a.drafter, engine="vllm",
+                      dtype=a.dtype, cpus_per_replica=a.cpus_per_replica,
+                      gpus_per_replica=1 if torch.cuda.is_available() else 0,
+                      max_model_len=a.max_model_len, api_key=None)
+    got = profile_vllm.measure_rounds(cfg, a.round_depths, a.batch_sizes or [1],
+                                      a.round_tokens, reps=a.reps,
+                                      synthetic=a.synthetic_acceptance)
+    with open(a.out + ".rounds.json", "w") as f:
+        json.dump(got, f, indent=1)
+    where = (torch.cuda.get_device_name(0) if cfg.gpus_per_replica else
+             f"{max(1, round(cfg.cpus_per_replica))} CPU thread(s)")
+    what = f"{got['engine']} ({a.dtype or 'its default dtype'}, {where})"
+    return dataclasses.replace(
+        prof, round_batch_ms=got["round_batch_ms"], plain_batch_ms=got["plain_batch_ms"],
+        round_engine=what, description=prof.description + f"; round_batch_ms / plain_batch_ms: "
+        f"decode rounds of {what} as `serve --engine vllm --cpus-per-replica "
+        f"{a.cpus_per_replica}` runs it, drafter {a.drafter}, timed between engine steps "
+        f"(serve/profile_vllm.py)")
 
 
 # plan's acceptance flags: (argparse dest, the kind a non-dir source is taken as, the flag)
@@ -609,6 +635,22 @@ def parser() -> argparse.ArgumentParser:
                         "the surface plan's per-batch-size schedule prices (none: batch 1 only)")
     f.add_argument("--batch-tokens", type=int, nargs="+", default=[1, 2, 3, 5], metavar="T",
                    help="tokens per sequence in those verifies (depth T-1)")
+    f.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                   help="vllm: also time vLLM's own decode rounds at each --batch-sizes B and "
+                        "--round-depths k (and without a drafter) -> round_batch_ms, which "
+                        "`plan` and `serve --engine vllm --depth auto` price the schedule with")
+    f.add_argument("--round-depths", type=int, nargs="+", default=[0, 1, 2, 3], metavar="K",
+                   help="--engine vllm: the depths timed (0: the drafter loaded, drafting none)")
+    f.add_argument("--round-tokens", type=int, default=33,
+                   help="--engine vllm: tokens each timed request generates")
+    f.add_argument("--cpus-per-replica", type=float, default=1.0,
+                   help="--engine vllm: the served replica's CPUs (its engine's threads)")
+    f.add_argument("--dtype", choices=("bf16", "fp32", "fp16"),
+                   help="--engine vllm: the served dtype (default: the engine's rule)")
+    f.add_argument("--max-model-len", type=int, default=1024, help="--engine vllm")
+    f.add_argument("--synthetic-acceptance", type=float, metavar="A",
+                   help="--engine vllm on GPUs: vLLM's synthetic rejection sampler at "
+                        "conditional acceptance A per position (any drafter of the shape)")
     f.set_defaults(fn=cmd_profile)
 
     n = sub.add_parser("plan", help="best speculation depth + ttt_steps for a node, chain, "

@@ -21,7 +21,11 @@ With CUDA and the n GPUs present, each step is the `eagle3-ray` command a user w
                   vLLM and by the builtin decoder, both on one GPU, at depths 0, 3 and 8
                   (--quick: 0, 2, 4) on step 3's prompts (bench_engines_vllm: `bench
                   engines`; per engine tau, tokens/s and outputs identical to depth 0 per
-                  depth, and the prompts the two engines decode alike)
+                  depth, and the prompts the two engines decode alike); then depth by load:
+                  `profile --engine vllm` times vLLM's rounds over batch x depth
+                  (profile_vllm), and `bench load` serves depth 0, fixed depths and the
+                  schedule `--depth auto` plans from it (load_vllm: the schedule against the
+                  best fixed depth at each concurrency, under vllm bench serve)
   7. Kimi's shape (with vLLM): `eagle3-ray toy deepseek` writes a small DeepSeek-V3-shaped
                   verifier (MLA + MoE), step 1 extracts with it through vLLM, a Llama-layer
                   drafter trains on it (the shape vLLM's CPU build cannot serve on an MLA
@@ -49,6 +53,8 @@ SIZES = {
     "max_tokens": (64, 6), "profile_tokens": (17, 3), "profile_reps": (5, 1),
     "branches": ((2, 3), (2,)), "lookup_depths": ((4, 8), (2,)),
     "engine_depths": ((3, 8), (2,)),
+    "round_depths": ((0, 1, 2, 3, 4), (0, 1)), "load_batches": ((1, 4, 16, 64), (1, 2)),
+    "load_depths": ((2, 4), (1,)), "load_prompts": (64, 4),
 }
 # Steps the CPU path lists but does not run: why (printed, and in the JSON as "skipped").
 CPU_SKIPPED = {"bench_engines_vllm": (
@@ -60,7 +66,11 @@ CPU_SKIPPED = {"bench_engines_vllm": (
     **{n: "skipped on the CPU path: the suite runs the DeepSeek-shaped verifier through vLLM's "
           "CPU build (tests/extract/test_extract_vllm.py); run the command above to check it here"
        for n in ("toy_deepseek", "extract_vllm_deepseek", "train_deepseek",
-                 "bench_engines_deepseek")}}
+                 "bench_engines_deepseek")},
+    **{n: "skipped on the CPU path: the suite times vLLM's CPU rounds "
+          "(tests/serve/test_profile_vllm.py) and serves a planned schedule "
+          "(tests/serve/test_served_vllm.py); run the command above to check it here"
+       for n in ("profile_vllm", "load_vllm")}}
 # --quality-minutes M: a drafter trained for M minutes at the recipe's depth, then served on
 # held-out prompts (what acceptance more training buys). (CUDA, CPU) sizes as above.
 QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
@@ -70,7 +80,8 @@ QUALITY = {"samples": (3000, 8), "max_length": (1024, 96), "ttt_steps": (8, 2),
 # of which Ray and model start-up is most).
 QUICK = {"samples": 64, "max_length": 256, "max_steps": 10, "depths": (0, 2, 4, 8), "prompts": 2,
          "max_tokens": 32, "profile_tokens": 9, "profile_reps": 2, "branches": (2,),
-         "lookup_depths": (4,), "engine_depths": (2, 4)}
+         "lookup_depths": (4,), "engine_depths": (2, 4), "round_depths": (0, 2, 4),
+         "load_batches": (1, 8, 32), "load_depths": (2, 4), "load_prompts": 32}
 
 
 def step_dir(work: str, name: str) -> str:
@@ -126,6 +137,7 @@ def commands(cuda: bool, gpus: int, work: str, quick: bool = False,
                       + ["--engine", "vllm"], None))
         steps.append(("bench_engines_vllm", _bench_engines(cuda, drafter, work, size),
                       "train_ddp"))
+        steps += _load_steps(cuda, drafter, work, size)
         # Kimi-K2.5's shape in small (MLA + MoE, engine/toy.py) through vLLM's DeepSeek paths
         toy = os.path.join(work, "deepseek-verifier")
         steps.append(("toy_deepseek", ["toy", "deepseek", toy], None))
@@ -154,6 +166,25 @@ def _bench_engines(cuda: bool, drafter: str, work: str, size,
             "--max-tokens", str(size("max_tokens")), "--depths", *map(str, size("engine_depths")),
             "--out", step_dir(work, name)]
     return argv + (["--gpus", "1"] if cuda else [])
+
+
+def _load_steps(cuda: bool, drafter: str, work: str, size) -> list:
+    """Depth by load on vLLM: `profile --engine vllm` times vLLM's rounds over batch x depth,
+    then `bench load` serves depth 0, fixed depths and the schedule `--depth auto` plans from
+    that profile, under vllm bench serve (load_vllm: the schedule against the best fixed depth
+    at each concurrency)."""
+    prof = os.path.join(work, "profile-vllm.yaml")
+    batches = [str(b) for b in size("load_batches")]
+    profile = ["profile", "--engine", "vllm", "--drafter", drafter, "--out", prof,
+               "--round-depths", *map(str, size("round_depths")), "--batch-sizes", *batches,
+               "--max-tokens", str(size("profile_tokens")), "--reps", str(size("profile_reps"))]
+    load = ["bench", "load", "--engines", "vllm", "--drafter", drafter,
+            "--depth", *map(str, size("load_depths")), "--schedule", "auto", "--profile", prof,
+            "--concurrency", *batches, "--prompts", str(size("load_prompts")),
+            "--max-tokens", str(size("max_tokens")), "--out", step_dir(work, "load_vllm")]
+    return [("profile_vllm", profile + (["--dtype", "bf16"] if cuda else []), "train_ddp"),
+            ("load_vllm", load + (["--gpus-per-replica", "1", "--dtype", "bf16"] if cuda
+                                  else []), "profile_vllm")]
 
 
 def vllm_available() -> bool:
@@ -241,6 +272,16 @@ def figures(name: str, work: str) -> dict:
                 "by_depth": {d: {k: x[k] for k in ("tokens_per_s", "decode_tokens_per_s",
                                                    "acceptance_length", "identical_to_depth0")}
                              for d, x in r["runs"].items()}}
+    if name == "profile_vllm":
+        from eagle3_ray.plan import profiles
+        p = profiles.load_profile(os.path.join(work, "profile-vllm.yaml"))
+        return {"engine": p.round_engine, "plain_batch_ms": p.plain_batch_ms,
+                "round_batch_ms": p.round_batch_ms}
+    if name == "load_vllm":
+        r = json.load(open(os.path.join(out, "load.json")))
+        return {"schedule": r["schedule"], "schedule_vs_best": r.get("schedule_vs_best"),
+                "errors": sum(x["errors"] for a in r["runs"].get("vllm", {}).values()
+                              for x in a["levels"]), "equality": r.get("equality")}
     if name == "profile":
         from eagle3_ray.plan import planner
         p = planner.load_profile(os.path.join(work, "profile.yaml"))

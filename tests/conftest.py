@@ -238,7 +238,7 @@ def malformed_requests(model: str, max_model_len: int, max_bytes: int) -> list[t
     """The malformed requests both serving engines must refuse with a 4xx and a clear OpenAI
     error body, for a server of `model` with context `max_model_len` and body bound `max_bytes`:
     (name, body (a dict, or raw bytes), status, param the error names (its first part) or None,
-    words the message says). One table for both engines (test_serve.py, test_serve_vllm.py)."""
+    words the message says). One table for both engines (test_serve.py, test_served_vllm.py)."""
     def chat(content="Tell me about rivers.", **kw):
         return {"model": model, "messages": [{"role": "user", "content": content}],
                 "temperature": 0, "max_tokens": 4, **kw}

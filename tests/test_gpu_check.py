@@ -27,8 +27,16 @@ def test_the_cuda_path_runs_bf16_on_every_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_check, "vllm_available", lambda: True)
     steps = {n: (argv, needs) for n, argv, needs in gpu_check.commands(True, 4, str(tmp_path))}
     assert list(steps) == ["extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
-                           "extract_vllm", "bench_engines_vllm", "toy_deepseek",
-                           "extract_vllm_deepseek", "train_deepseek", "bench_engines_deepseek"]
+                           "extract_vllm", "bench_engines_vllm", "profile_vllm", "load_vllm",
+                           "toy_deepseek", "extract_vllm_deepseek", "train_deepseek",
+                           "bench_engines_deepseek"]
+    fn, a = parsed(steps["profile_vllm"][0], monkeypatch)       # depth by load on vLLM
+    assert fn is cli.cmd_profile and (a.engine, a.round_depths, a.batch_sizes, a.dtype) == (
+        "vllm", [0, 1, 2, 3, 4], [1, 4, 16, 64], "bf16")
+    fn, a = parsed(steps["load_vllm"][0], monkeypatch)
+    assert (a.what, a.engines, a.schedule, a.profile, a.depth, a.concurrency) == (
+        "load", ["vllm"], "auto", str(tmp_path / "profile-vllm.yaml"), [2, 4], [1, 4, 16, 64])
+    assert a.gpus_per_replica == 1 and steps["load_vllm"][1] == "profile_vllm"
     e = cli.extract_config(parsed(steps["extract_vllm_deepseek"][0], monkeypatch)[1])
     assert (e.engine, e.verifier, steps["extract_vllm_deepseek"][1]) == (
         "vllm", str(tmp_path / "deepseek-verifier"), "toy_deepseek")
@@ -127,7 +135,8 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     g = json.load(open(out))
     assert g["mode"] == "cpu" and g["ok"] and not g["machine"]["cuda"]
     s = g["steps"]
-    vllm = ({"extract_vllm", "bench_engines_vllm", "toy_deepseek", "extract_vllm_deepseek",
+    vllm = ({"extract_vllm", "bench_engines_vllm", "profile_vllm", "load_vllm",
+             "toy_deepseek", "extract_vllm_deepseek",
              "train_deepseek", "bench_engines_deepseek"}
             if gpu_check.vllm_available()
             else set())                                          # .venv-vllm built
@@ -138,7 +147,7 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     f = {n: x["figures"] for n, x in s.items() if "skipped" not in x}
     assert f["extract"]["samples"] > 0 and f["extract"]["dtype"] == "bfloat16"
     if vllm:                                  # listed, not run on CPU: said why
-        for n in ("extract_vllm", "bench_engines_vllm"):
+        for n in ("extract_vllm", "bench_engines_vllm", "profile_vllm", "load_vllm"):
             assert s[n]["skipped"].startswith("skipped on the CPU path") and n not in f
             assert f"{n}: skipped on the CPU path" in r.stdout
         assert s["bench_engines_vllm"]["command"].startswith("eagle3-ray bench engines --drafter ")

@@ -185,11 +185,13 @@ def _add_load(sub) -> None:
                                     "by vLLM's `vllm bench serve`")
     b.add_argument("--drafter", help="drafter dir (default: bench quality's best)")
     b.add_argument("--verifier", help="the verifier (default: the embedded SmolLM2-135M)")
-    b.add_argument("--depth", type=int, default=load.LOAD_DEPTH,
-                   help=f"the fixed depth arm, beside depth 0 (default {load.LOAD_DEPTH})")
+    b.add_argument("--depth", type=int, nargs="+", default=[load.LOAD_DEPTH], metavar="D",
+                   help=f"the fixed depth arms, beside depth 0 (default {load.LOAD_DEPTH})")
     b.add_argument("--schedule", help="a depth-by-load arm: vLLM's "
                    "num_speculative_tokens_per_batch_size, [[batch_from, batch_to, k], ...] as "
-                   "JSON or a JSON file (a plan result with a \"schedule\" key works too)")
+                   "JSON or a JSON file (a plan result with a \"schedule\" key works too), or "
+                   "'auto': what `serve --engine vllm --depth auto --profile P` serves")
+    b.add_argument("--profile", help="--schedule auto: the node profile it is planned on")
     b.add_argument("--engines", nargs="+", choices=load.ENGINES, default=list(load.ENGINES))
     b.add_argument("--concurrency", type=int, nargs="+", default=list(load.LOAD_CONCURRENCY),
                    help="vllm bench serve --max-concurrency levels (default 1 2 4 8 16)")
@@ -204,6 +206,8 @@ def _add_load(sub) -> None:
     b.add_argument("--ignore-eos", action="store_true", help="vllm bench serve --ignore-eos "
                    "(vLLM honours it; the builtin engine stops at EOS all the same)")
     b.add_argument("--port", type=int, default=8000, help="the apps' HTTP port")
+    b.add_argument("--gpus-per-replica", type=float, default=0, help="each app's replica "
+                   "(0: CPU)")
     _common(b, ray=True)
     b.set_defaults(bench_run=_run_load)
 
@@ -291,12 +295,23 @@ def _run_online(a):
 
 def _run_load(a):       # Ray Serve apps, driven by vLLM's benchmark client (its own env)
     from eagle3_ray.bench import load
-    load.bench_load(drafter_dir=a.drafter, depth=a.depth, schedule=read_schedule(a.schedule),
+    schedule = read_schedule(a.schedule) if a.schedule != "auto" else auto_schedule(a)
+    load.bench_load(drafter_dir=a.drafter, depths=a.depth, schedule=schedule,
                     engines=tuple(a.engines), concurrency=tuple(a.concurrency),
                     prompts=a.prompts, max_tokens=a.max_tokens,
                     max_prompt_tokens=a.max_prompt_tokens, dtype=a.dtype,
                     ignore_eos=a.ignore_eos, port=a.port, out_dir=a.out, address=a.address,
+                    gpus_per_replica=a.gpus_per_replica,
                     **({"verifier": a.verifier} if a.verifier else {}))
+
+
+def auto_schedule(a) -> list[list[int]] | None:
+    """--schedule auto: plan.load.planned_schedule of --drafter on --profile."""
+    from eagle3_ray.plan import load as plan_load
+    if not (a.drafter and a.profile):
+        raise SystemExit("--schedule auto needs --drafter and --profile (a profile YAML, e.g. "
+                         "`eagle3-ray profile --engine vllm` measures one)")
+    return plan_load.planned_schedule(a.drafter, a.profile, log="[bench load]")[1]
 
 
 def read_schedule(text: str | None) -> list[list[int]] | None:

@@ -2,7 +2,7 @@
 tool, vLLM's `vllm bench serve` (its streaming OpenAI client), not a client of ours.
 
 For each engine (builtin: serve/app.py on Ray Serve; vllm: serve/vllm.py, Ray Serve LLM) and
-each depth arm — depth 0, the fixed `depth`, and (given a `schedule`) vLLM's
+each depth arm — depth 0, each fixed depth in `depths`, and (given a `schedule`) vLLM's
 num_speculative_tokens_per_batch_size — the app runs the same held-out ShareGPT questions
 (bench serve's prompts, data.HELDOUT_FIRST on, as a `custom` JSONL dataset) greedy, at each
 concurrency level (--max-concurrency, ascending, 1 first). They go to /v1/completions
@@ -15,9 +15,10 @@ latency (ITL: between streamed chunks; a speculative round may stream several to
 and time per output token (TPOT), p50 and p99, the errors (failed requests), and vLLM's own
 spec-decode acceptance where the app's /metrics has it. Outputs: every level's greedy texts
 against the same arm's at concurrency 1 (each request alone), and every arm's at concurrency 1
-against depth 0; mismatches counted (vLLM in fp32 must have none).
+against depth 0; mismatches counted (vLLM in fp32 must have none). With a schedule: at each
+level, its throughput against the best fixed arm's, depth 0 included (`schedule_vs_best`).
 
-How the apps are run: the builtin engine is one app (depth `depth`, lookup fallback off, so it
+How the apps are run: the builtin engine is one app (the deepest arm's depth, lookup off, so it
 runs the pure drafter as vLLM does); its arms pick their depth per request (the
 `speculation_depth` field, through vllm bench serve --extra-body). vLLM's depth is fixed at
 start-up, so each vLLM arm is its own app, started, measured and shut down in turn (~1-2 min
@@ -141,11 +142,11 @@ def mismatches(reference: list[str], texts: list[str]) -> list[int]:
             if i >= len(reference) or i >= len(texts) or reference[i] != texts[i]]
 
 
-def load_arms(depth: int, schedule: list | None) -> dict:
-    """{arm name: what the arm serves}: depth 0, depth `depth`, the schedule (if given)."""
+def load_arms(depths, schedule: list | None) -> dict:
+    """{arm name: what the arm serves}: depth 0, each of `depths`, the schedule (if given)."""
     arms = {"depth0": {"depth": 0}}
-    if depth:
-        arms[f"depth{depth}"] = {"depth": depth}
+    for d in sorted({int(d) for d in depths} - {0}):
+        arms[f"depth{d}"] = {"depth": d}
     if schedule:
         arms["schedule"] = {"depth": max(k for _, _, k in schedule), "schedule": schedule}
     return arms
@@ -161,8 +162,9 @@ def schedule_field() -> str | None:
 
 
 def _serve_cfg(engine: str, verifier: str, drafter: str, depth: int, dtype: str | None,
-               max_ongoing: int, port: int, extra: dict | None = None):
-    """The app's ServeConfig: vLLM's depth-0 arm without a drafter (no speculative_config)."""
+               max_ongoing: int, port: int, extra: dict | None = None, gpus: float = 0):
+    """The app's ServeConfig: vLLM's depth-0 arm without a drafter (no speculative_config);
+    `gpus` per replica (vLLM then compiles and captures graphs, eager on CPU)."""
     from eagle3_ray.serve.app import ServeConfig
     keep = depth or engine == "builtin"
     return ServeConfig(verifier=verifier, drafter=drafter if keep else None,
@@ -170,7 +172,8 @@ def _serve_cfg(engine: str, verifier: str, drafter: str, depth: int, dtype: str 
                        engine=engine, lookup=False, max_ongoing_requests=max_ongoing,
                        max_queued_requests=max(16, max_ongoing), api_key=None,
                        dtype=dtype if engine == "vllm" else None,
-                       eager=True if engine == "vllm" else None, port=port, **(extra or {}))
+                       eager=True if engine == "vllm" and not gpus else None,
+                       gpus_per_replica=gpus, port=port, **(extra or {}))
 
 
 def _measure(python: str, url: str, tokenizer_dir: str, dataset: str, levels, prompts: int,
@@ -194,12 +197,13 @@ def _measure(python: str, url: str, tokenizer_dir: str, dataset: str, levels, pr
     return out
 
 
-def bench_load(drafter_dir: str | None = None, depth: int = LOAD_DEPTH,
+def bench_load(drafter_dir: str | None = None, depths=(LOAD_DEPTH,),
                schedule: list | None = None, engines=ENGINES, concurrency=LOAD_CONCURRENCY,
                prompts: int = 16, max_tokens: int = 32, max_prompt_tokens: int = 128,
                dtype: str | None = None, ignore_eos: bool = False, port: int = 8000,
                out_dir: str = "runs/bench", address: str | None = None,
-               verifier: str | None = None, texts: list[str] | None = None) -> dict:
+               verifier: str | None = None, texts: list[str] | None = None,
+               gpus_per_replica: float = 0) -> dict:
     """Each engine's app under vllm bench serve at each concurrency level and depth arm (module
     docstring). texts: the questions (default: `prompts` held-out ones). Writes
     <out_dir>/load.json + load.png; returns the result."""
@@ -225,21 +229,23 @@ def bench_load(drafter_dir: str | None = None, depth: int = LOAD_DEPTH,
         # the builtin replicas follow --dtype too: a local Ray's workers inherit this variable
         # (engine.hf.native_bf16's override), read by the verifier's default dtype
         os.environ["EAGLE3_RAY_NATIVE_BF16"] = "0" if dtype == "fp32" else "1"
-    vdtype = engine_vllm.engine_dtype(dtype)
     field = schedule_field()
     result = {"bench": "load", "client": "vllm bench serve (vllm.benchmarks.serve, "
               ".venv-vllm)", "verifier": spec, "verifier_dir": model_dir,
-              "drafter": drafter_dir, "depth": depth, "schedule": schedule,
+              "drafter": drafter_dir, "depths": sorted(set(depths) - {0}),
+              "depth": max(depths), "schedule": schedule,
               "engines": list(engines), "concurrency": levels, "prompts": prompts,
               "max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
-              "ignore_eos": ignore_eos, "dtype": {"builtin": str(hf.default_dtype("cpu"))
-                                                  .replace("torch.", ""), "vllm": vdtype},
+              "ignore_eos": ignore_eos, "gpus_per_replica": gpus_per_replica,
+              "dtype": {"builtin": str(hf.default_dtype("cuda" if gpus_per_replica else "cpu"))
+                        .replace("torch.", ""), "vllm": engine_vllm.engine_dtype(
+                            dtype, gpus_per_replica)},
               "host": host_flags(), "cpu": cpu_facts(), "runs": {}, "skipped": {}, "failed": {},
               "commands": {}}
     init_ray(address)
     for engine in engines:
         result["runs"][engine] = {}
-        arms = load_arms(depth, schedule)
+        arms = load_arms(depths, schedule)
         if "schedule" in arms and (engine == "builtin" or field is None):
             result["skipped"][f"{engine}/schedule"] = (
                 "the builtin engine does not batch across requests: a schedule by batch size "
@@ -269,7 +275,7 @@ def _run_engine(result: dict, engine: str, arms: dict, spec: str, model_dir: str
     if engine == "builtin":                   # one app; each arm's depth per request
         t0 = time.perf_counter()
         url = app.start(_serve_cfg(engine, spec, drafter_dir, result["depth"], None, max(levels),
-                                   port), address)
+                                   port, gpus=result["gpus_per_replica"]), address)
         started = time.perf_counter() - t0
         got = _measure(python, url, model_dir, dataset, levels, prompts, max_tokens, raw_dir,
                        {f"{engine}-{arm}": {"speculation_depth": what["depth"]}
@@ -282,7 +288,8 @@ def _run_engine(result: dict, engine: str, arms: dict, spec: str, model_dir: str
         t0 = time.perf_counter()
         try:
             url = app.start(_serve_cfg(engine, model_dir, drafter_dir, what["depth"], dtype,
-                                       max(levels), port, extra), address)
+                                       max(levels), port, extra, result["gpus_per_replica"]),
+                            address)
             started = time.perf_counter() - t0
             print(f"[bench load] {engine}-{arm}: app up in {started:.0f}s", flush=True)
             got = _measure(python, url, model_dir, dataset, levels, prompts, max_tokens,
@@ -320,6 +327,24 @@ def _compare_arms(result: dict) -> None:
                       "requests_compared": sum(len(a["levels"]) - 1 for a in arms.values())
                       * result["prompts"]}
     result["equality"] = eq
+    result["schedule_vs_best"] = {engine: schedule_vs_best(arms)
+                                  for engine, arms in result["runs"].items()
+                                  if "schedule" in arms}
+
+
+def schedule_vs_best(arms: dict) -> list[dict]:
+    """Per level: the schedule arm's output throughput against the best fixed arm's (depth 0
+    included) -> [{concurrency, best (arm), ratio}] (None where a level has no figures)."""
+    out = []
+    for row in arms["schedule"]["levels"]:
+        c = row["concurrency"]
+        fixed = {arm: r["output_throughput"] for arm, a in arms.items() if arm != "schedule"
+                 for r in a["levels"] if r["concurrency"] == c and r["output_throughput"]}
+        best = max(fixed, key=fixed.get) if fixed else None
+        ok = best and row["output_throughput"]
+        out.append({"concurrency": c, "best": best,
+                    "ratio": row["output_throughput"] / fixed[best] if ok else None})
+    return out
 
 
 def _f(x, spec: str) -> str:
@@ -349,6 +374,9 @@ def _print_load(result: dict) -> None:
         print(f"[bench load] {engine}: {e['mismatches_under_load']} of "
               f"{e['requests_compared']} outputs under load differ from alone; vs depth 0 "
               f"alone: {e['mismatches_vs_depth0_alone']}")
+    for engine, rows in result.get("schedule_vs_best", {}).items():
+        print(f"[bench load] {engine} schedule vs the best fixed arm: " + ", ".join(
+            f"{r['concurrency']} users x{_f(r['ratio'], '.2f')} ({r['best']})" for r in rows))
     for what, why in result["skipped"].items():
         print(f"[bench load] skipped {what}: {why}")
     for what, why in result["failed"].items():

@@ -57,17 +57,35 @@ def verify_batch_compute_s(profile: NodeProfile, batch: int, tokens: int) -> flo
     if not has_surface(profile):
         raise ValueError(f"profile {profile.name}: no verify_batch_ms, priced at batch 1 only")
     rows = profile._rows
-    bs = list(rows)
+    return _across_batches(list(rows), lambda b: cost._interp(*rows[b], tokens), batch) / 1e3
 
-    def at(b: int) -> float:
-        return cost._interp(*rows[b], tokens)
-    if batch in rows:
-        return at(batch) / 1e3
+
+def _across_batches(bs: list[int], at, batch: int) -> float:
+    """at(b) known at the sorted batch sizes `bs` -> its value at `batch`: linear between the
+    two around it, continued from the last two past the largest (never below the largest's),
+    the smallest's below the smallest."""
+    if batch in bs or len(bs) == 1 or batch < bs[0]:
+        return at(batch if batch in bs else bs[0])
     hi = next((i for i, b in enumerate(bs) if b > batch), len(bs) - 1)
     b0, b1 = bs[hi - 1], bs[hi]
     y0, y1 = at(b0), at(b1)
     y = y0 + (y1 - y0) * (batch - b0) / (b1 - b0)
-    return max(y, y1 if batch > b1 else 0.0) / 1e3
+    return max(y, y1 if batch > b1 else 0.0)
+
+
+def has_engine_rounds(profile: NodeProfile) -> bool:
+    """Whether the profile has the serving engine's own rounds (`profile --engine vllm`)."""
+    return bool(profile.round_batch_ms)
+
+
+def engine_round_s(profile: NodeProfile, batch: int, k: int | None) -> float:
+    """A decode round of `batch` sequences at depth k as the serving engine measured it
+    (round_batch_ms; k None: plain_batch_ms, the engine without a drafter)."""
+    row = profile.plain_batch_ms if k is None else profile.round_batch_ms.get(k)
+    if row is None:
+        raise ValueError(f"profile {profile.name}: depth {k} is not in round_batch_ms "
+                         f"(measured: {sorted(profile.round_batch_ms)})")
+    return _across_batches(sorted(row), row.__getitem__, batch) / 1e3
 
 
 def draft_batch_s(profile: NodeProfile, batch: int, k: int, drafting: str = "chain",
@@ -92,20 +110,23 @@ def draft_batch_s(profile: NodeProfile, batch: int, k: int, drafting: str = "cha
 
 def round_batch_s(profile: NodeProfile, batch: int, k: int, drafting: str = "chain",
                   block_layers: int = cost.BLOCK_LAYERS) -> float:
-    """T(B, k): one round of `batch` sequences at depth k: drafting + a verify of B·(k+1)
-    tokens (compute from the surface, all-reduces of all of them)."""
+    """T(B, k): one round of `batch` sequences at depth k: the serving engine's own where the
+    profile has them (engine_round_s), else drafting + a verify of B·(k+1) tokens (compute
+    from the surface, all-reduces of all of them)."""
+    if has_engine_rounds(profile):
+        return engine_round_s(profile, batch, k)
     return (draft_batch_s(profile, batch, k, drafting, block_layers)
             + verify_batch_compute_s(profile, batch, k + 1)
             + cost.comm_s(profile, batch * (k + 1)))
 
 
-def _best(taus: list[float], profile: NodeProfile, batch: int, max_depth: int, drafting: str,
-          block_layers: int) -> tuple[int, list[float]]:
-    """(best k, tokens/s per k) at `batch` sequences."""
-    rates = [batch * taus[k] / round_batch_s(profile, batch, k, drafting, block_layers)
-             for k in range(max_depth + 1)]
-    best = 0
-    for k in range(1, max_depth + 1):
+def _best(taus: list[float], profile: NodeProfile, batch: int, depths: list[int],
+          drafting: str, block_layers: int) -> tuple[int, dict[int, float]]:
+    """(best k, {k: tokens/s}) at `batch` sequences over the candidate `depths` (0 first)."""
+    rates = {k: batch * taus[k] / round_batch_s(profile, batch, k, drafting, block_layers)
+             for k in depths}
+    best = depths[0]
+    for k in depths[1:]:
         if rates[k] > rates[best] * (1 + 1e-9):
             best = k
     return best, rates
@@ -143,24 +164,33 @@ def depth_schedule(cond_acc: list[float], profile: NodeProfile, max_depth: int |
         raise ValueError("no measured acceptance (cond_acc is empty)")
     acc = extend_acceptance(list(cond_acc[:known]), max_depth)[0][:max_depth]
     taus = ttt.accept_lengths(acc)                       # E[τ](k), k = 0..max_depth
-    surface = has_surface(profile)
+    rounds = has_engine_rounds(profile)
+    surface = rounds or has_surface(profile)
     warnings = []
     reach = max_batch if surface else 1
+    candidates = ([k for k in profile.round_batch_ms if k <= max_depth] if rounds
+                  else list(range(max_depth + 1)))
     depths, shown = [], []
     for b in range(1, reach + 1):
-        k, rates = _best(taus, profile, b, max_depth, drafting, block_layers)
+        k, rates = _best(taus, profile, b, candidates, drafting, block_layers)
         depths.append(k)
-        if b in SHOWN_BATCHES or b == reach or (surface and b in profile.verify_batch_ms):
+        # depth 0 is plain decoding: with engine rounds, the engine without a drafter (a
+        # schedule's 0 still runs the drafter's upkeep forward: rates[0])
+        plain = b / engine_round_s(profile, b, None) if rounds else rates[0]
+        if b in SHOWN_BATCHES or b == reach or (surface and b in (
+                profile.plain_batch_ms if rounds else profile.verify_batch_ms)):
             shown.append({"batch": b, "depth": k, "tokens_per_s": rates[k],
-                          "tokens_per_s_depth0": rates[0], "gain": rates[k] / rates[0],
+                          "tokens_per_s_depth0": plain, "gain": rates[k] / plain,
                           "round_ms": round_batch_s(profile, b, k, drafting, block_layers) * 1e3,
                           "accept_len": taus[k]})
-    if not surface:
+    if rounds:
+        warnings += _engine_round_warnings(profile, taus, depths, candidates, max_batch)
+    elif not surface:
         depths += [depths[0]] * (max_batch - 1)
         warnings.append(f"{profile.name} has no verify_batch_ms (the verify surface over batch "
                         f"size): priced at batch 1 only, so its depth {depths[0]} is served at "
                         f"every batch size; `eagle3-ray profile --batch-sizes ...` measures one")
-    else:
+    if surface and not rounds:
         top = max(profile.verify_batch_ms)
         if max_batch > top:
             warnings.append(f"verify_batch_ms is measured up to batch {top}: batches "
@@ -181,9 +211,37 @@ def depth_schedule(cond_acc: list[float], profile: NodeProfile, max_depth: int |
     sched = ranges(depths)
     return {"kind": "depth_schedule", "profile": profile.name, "drafting": drafting,
             "max_depth": max_depth, "max_batch": max_batch, "batch_surface": surface,
+            "round_engine": (profile.round_engine or "the serving engine") if rounds else None,
             "schedule": sched, "num_speculative_tokens": max(depths),
             "acceptance": {"cond_acc": acc, "known_depth": known},
             "rows": shown, "warnings": warnings}
+
+
+def _engine_round_warnings(profile: NodeProfile, taus: list[float], depths: list[int],
+                           candidates: list[int], max_batch: int) -> list[str]:
+    """What a schedule priced on the engine's own rounds cannot do: depths beyond the measured
+    ones, batches beyond the largest measured, and the batch sizes where the engine without a
+    drafter is faster than the schedule (its 0 still pays the drafter's upkeep)."""
+    out = []
+    top = max(profile.plain_batch_ms)
+    if max_batch > top:
+        out.append(f"round_batch_ms is measured up to batch {top}: batches {top + 1}..{max_batch} "
+                   f"are extrapolated linearly from the last two")
+    if 0 not in candidates:
+        out.append("round_batch_ms has no depth 0 (the drafter loaded, drafting none): the "
+                   "schedule cannot turn speculation down to 0")
+    if max(candidates) < len(taus) - 1:
+        out.append(f"depths above {max(candidates)} are not in round_batch_ms: not considered")
+    lose = [(b, b * taus[k] / round_batch_s(profile, b, k) / (b / engine_round_s(profile, b, None)))
+            for b, k in enumerate(depths, start=1)]
+    lose = [(b, g) for b, g in lose if g < 1 - 1e-9]
+    if lose:
+        worst = min(lose, key=lambda x: x[1])
+        out.append(f"at {len(lose)} batch sizes ({lose[0][0]}..{lose[-1][0]}) the engine without "
+                   f"a drafter is faster than the schedule (x{worst[1]:.2f} at batch {worst[0]}): "
+                   f"vLLM's k = 0 still runs the drafter's first forward every step; serve "
+                   f"depth 0 if the load stays there")
+    return out
 
 
 def vllm_schedule(result: dict) -> tuple[int, list[list[int]] | None]:
@@ -192,6 +250,30 @@ def vllm_schedule(result: dict) -> tuple[int, list[list[int]] | None]:
     each k to num_speculative_tokens, the largest)."""
     k = int(result["num_speculative_tokens"])
     return (0, None) if k == 0 else (k, [list(map(int, r)) for r in result["schedule"]])
+
+
+def planned_schedule(drafter: str, profile: str, max_depth: int = 16, log: str = "[plan]"
+                     ) -> tuple[int, list[list[int]] | None, dict]:
+    """What `serve --engine vllm --depth auto --profile P` serves: the drafter's measured
+    per-position acceptance (its metadata's held-out figures; 0.5 per position without them)
+    priced on the profile -> (num_speculative_tokens, its schedule or None, the depth_schedule
+    result). Prints the choice and the warnings, prefixed with `log`."""
+    from eagle3_ray.plan import acceptance
+    from eagle3_ray.plan.profiles import load_profile
+    kind = acceptance.drafting_of(drafter) or "chain"
+    try:
+        cond, known, _ = acceptance.acceptance_from(drafter, None, kind)
+    except ValueError:
+        cond, known = [0.5], 1
+        print(f"{log} warning: {drafter}: no held-out acceptance in its metadata; the "
+              f"schedule is planned from 0.5 per position")
+    r = depth_schedule(cond, load_profile(profile), max_depth, MAX_BATCH, kind, known_depth=known)
+    depth, schedule = vllm_schedule(r)
+    print(f"{log} depth auto on {r['profile']}: num_speculative_tokens {depth}, "
+          f"num_speculative_tokens_per_batch_size {schedule}")
+    for w in r["warnings"]:
+        print(f"{log} warning: schedule: {w}")
+    return depth, schedule, r
 
 
 def sweep_schedules(levels: list[float], profiles: list[NodeProfile], max_depth: int = 32,

@@ -134,7 +134,9 @@ def format_schedule(result: dict) -> str:
              f"(vLLM num_speculative_tokens_per_batch_size; batch: depth):",
              f"  {_ranges_text(result['schedule'])}",
              f"  num_speculative_tokens {result['num_speculative_tokens']}"
-             + ("" if result["batch_surface"] else " (batch 1 only: no verify_batch_ms)"),
+             + ("" if result["batch_surface"] else " (batch 1 only: no verify_batch_ms)")
+             + (f"; priced on {result['round_engine']}'s own rounds (depth 0: without a "
+                f"drafter)" if result.get("round_engine") else ""),
              f"  {'batch':>5} {'depth':>5} {'E[tau]':>6} {'round ms':>9} {'tok/s':>9} "
              f"{'depth 0':>9} {'gain':>6}"]
     for r in result["rows"]:

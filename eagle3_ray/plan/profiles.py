@@ -82,6 +82,14 @@ class NodeProfile:
                                   # surface has its own: the batched engine's kernels). None:
                                   # priced for batch 1 only (the per-batch schedule then serves
                                   # batch 1's depth; plan/load.py)
+    round_batch_ms: dict[int, dict[int, float]] | None = None  # measured in the serving engine
+                                  # (round_engine; `profile --engine vllm`): depth k -> {batch
+                                  # B -> ms of one decode round of B sequences drafting k each}
+                                  # (k = 0: the drafter loaded, drafting nothing: a schedule's
+                                  # 0). Where present, plan/load.py prices the schedule with it
+    plain_batch_ms: dict[int, float] | None = None  # the same engine without a drafter: batch
+                                  # B -> ms of one decode step (what depth 0 serves)
+    round_engine: str | None = None  # which engine measured the two above (vllm 0.32.0, ...)
     _xs: list = field(default_factory=list, init=False, repr=False, compare=False)
     _ys: list = field(default_factory=list, init=False, repr=False, compare=False)
     _pxs: list = field(default_factory=list, init=False, repr=False, compare=False)
@@ -181,6 +189,7 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
     par = d.get("draft_parallel_ms")
     block, block_layers = _draft_block(d, where)
     surface = _surface(d.get("verify_batch_ms"), where)
+    rounds, plain = _engine_rounds(d, where)
     sources = d.get("sources", [])
     _check(isinstance(sources, list) and all(isinstance(s, str) for s in sources), where,
            "field 'sources' must be a list of strings")
@@ -192,7 +201,9 @@ def profile_from_dict(d: dict, where: str = "profile") -> NodeProfile:
         draft_parallel_ms=None if par is None else _ms_table(par, where, "draft_parallel_ms"),
         simulated=bool(d.get("simulated", False)),
         draft_layer=str(d.get("draft_layer", "llama")), draft_layers=_draft_layers(d, where),
-        draft_block_ms=block, draft_block_layers=block_layers, verify_batch_ms=surface)
+        draft_block_ms=block, draft_block_layers=block_layers, verify_batch_ms=surface,
+        round_batch_ms=rounds, plain_batch_ms=plain,
+        round_engine=None if d.get("round_engine") is None else str(d["round_engine"]))
 
 
 def _surface(raw, where: str) -> dict[int, dict[int, float]] | None:
@@ -209,6 +220,28 @@ def _surface(raw, where: str) -> dict[int, dict[int, float]] | None:
         out[b] = _ms_table(row, where, f"verify_batch_ms.{b}")
     _check(max(out) >= 2, where, "verify_batch_ms needs a batch size above 1")
     return dict(sorted(out.items()))
+
+
+def _engine_rounds(d: dict, where: str) -> tuple[dict | None, dict | None]:
+    """round_batch_ms (depth k >= 0 -> {batch -> ms}) and plain_batch_ms (batch -> ms): both or
+    neither, the same batch sizes in every row."""
+    rounds, plain = d.get("round_batch_ms"), d.get("plain_batch_ms")
+    if rounds is None and plain is None:
+        return None, None
+    _check(rounds is not None and plain is not None, where, "round_batch_ms and plain_batch_ms "
+           "come together (`eagle3-ray profile --engine vllm` measures both)")
+    _check(isinstance(rounds, dict) and rounds, where, "field 'round_batch_ms' must be a "
+                                                       "non-empty mapping depth -> {batch -> ms}")
+    out = {}
+    for k, row in rounds.items():
+        _check(isinstance(k, int) and not isinstance(k, bool) and k >= 0, where,
+               f"round_batch_ms: depths must be integers >= 0, got {k!r}")
+        out[k] = _ms_table(row, where, f"round_batch_ms.{k}")
+    plain = _ms_table(plain, where, "plain_batch_ms")
+    for k, row in out.items():
+        _check(sorted(row) == sorted(plain), where, f"round_batch_ms.{k} has batch sizes "
+               f"{sorted(row)}, plain_batch_ms {sorted(plain)}: measure them together")
+    return dict(sorted(out.items())), plain
 
 
 def _draft_block(d: dict, where: str) -> tuple[dict[int, float] | None, int | None]:
@@ -314,6 +347,12 @@ def profile_to_dict(p: NodeProfile) -> dict:
     else:
         d["verify_batch_ms"] = {int(b): {int(k): float(v) for k, v in sorted(row.items())}
                                 for b, row in sorted(p.verify_batch_ms.items())}
+    if p.round_batch_ms is None:
+        del d["round_batch_ms"], d["plain_batch_ms"], d["round_engine"]
+    else:
+        d["round_batch_ms"] = {int(k): {int(b): float(v) for b, v in sorted(row.items())}
+                               for k, row in sorted(p.round_batch_ms.items())}
+        d["plain_batch_ms"] = {int(b): float(v) for b, v in sorted(p.plain_batch_ms.items())}
     return d
 
 

@@ -338,7 +338,7 @@ def deployment_config(cfg) -> dict:
          "max_queued_requests": cfg.max_queued_requests,
          "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
          # LLMServer.check_health raises once vLLM's engine core is dead; Serve replaces the
-         # replica after 3 failed checks: every 2 s instead of 10 (tests/serve/test_serve_vllm.py)
+         # replica after 3 failed checks: every 2 s instead of 10 (tests/serve/test_served_vllm.py)
          "health_check_period_s": HEALTH_CHECK_PERIOD_S,
          "ray_actor_options": {"num_cpus": _replica_cpus(cfg) if cfg.gpus_per_replica else 0}}
     if cfg.autoscaling:
@@ -428,7 +428,8 @@ def app_configs(cfg, name: str = "eagle3") -> list[dict]:
         {"name": name, "route_prefix": "/", "import_path": OPENAI_BUILDER, "args": args,
          "runtime_env": {"py_executable": python}},
         {"name": f"{name}-metrics", "route_prefix": METRICS_ROUTE, "import_path": METRICS_BUILDER,
-         "args": {"model_name": cfg.model_name, "depth": int(cfg.depth if cfg.drafter else 0)},
+         "args": {"model_name": cfg.model_name, "depth": int(cfg.depth if cfg.drafter else 0),
+                  "scheduled": bool(cfg.drafter and getattr(cfg, "depth_schedule", None))},
          "runtime_env": {"py_executable": python}},
     ]
 
@@ -487,11 +488,15 @@ RAY_PREFIX = "ray_vllm_"                  # vLLM's Ray metrics as Ray's agent ex
 DROP_LABELS = ("otel_scope_name", "otel_scope_schema_url", "otel_scope_version")
 
 
-def vllm_metrics_text(texts: list[str], model_name: str | None, depth: int) -> str:
+def vllm_metrics_text(texts: list[str], model_name: str | None, depth: int,
+                      scheduled: bool = False) -> str:
     """Prometheus text of Ray's metrics endpoints -> vLLM's series under vLLM's own names
     (ray_vllm_x -> vllm:x, Ray's otel labels dropped), then eagle3_ray_* summaries of the
     spec-decode counters of `model_name` (the builtin engine's names: rounds, drafted and
-    accepted tokens, per position, acceptance length), summed over replicas."""
+    accepted tokens, per position, acceptance length), summed over replicas. At a fixed depth
+    every round drafts every position; under a depth schedule (`scheduled`) vLLM does not count
+    drafts per position, so positions past 0 are given only while the counters determine them
+    (every round drafted `depth`: drafted tokens = depth x rounds)."""
     out, typed = [], set()
     drafts = draft_tokens = accepted = 0.0
     per_pos: dict[int, float] = {}
@@ -534,6 +539,8 @@ def vllm_metrics_text(texts: list[str], model_name: str | None, depth: int) -> s
             f"{p}acceptance_length {(accepted + drafts) / max(1.0, drafts):.6f}"]
     if drafts:
         width = max([depth] + [k + 1 for k in per_pos])
+        if scheduled and draft_tokens != depth * drafts:
+            width = 1                                     # rounds of several depths: unknown
         out += [f"# TYPE {p}drafted_at_position_total counter"]
         out += [f'{p}drafted_at_position_total{{position="{k}"}} {drafts:g}' for k in range(width)]
         out += [f"# TYPE {p}accepted_at_position_total counter"]
@@ -558,23 +565,26 @@ def _fetch(url: str) -> str:
 
 def metrics_app(args: dict):
     """Serve app builder (import path eagle3_ray.serve.vllm:metrics_app; args: model_name,
-    depth): GET -> `vllm_metrics_text` over every alive node's Ray metrics endpoint."""
+    depth, scheduled): GET -> `vllm_metrics_text` over every alive node's Ray metrics
+    endpoint."""
     from ray import serve
     from starlette.responses import PlainTextResponse
 
     @serve.deployment(name="VllmMetrics", ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=16)
     class VllmMetrics:
-        def __init__(self, model_name: str | None, depth: int):
-            self.model_name, self.depth = model_name, int(depth)
+        def __init__(self, model_name: str | None, depth: int, scheduled: bool):
+            self.model_name, self.depth, self.scheduled = model_name, int(depth), scheduled
 
         async def __call__(self, request) -> PlainTextResponse:
             urls = await asyncio.to_thread(_metrics_urls)
             texts = await asyncio.gather(*(asyncio.to_thread(_fetch, u) for u in urls))
-            return PlainTextResponse(vllm_metrics_text(list(texts), self.model_name, self.depth),
+            return PlainTextResponse(vllm_metrics_text(list(texts), self.model_name, self.depth,
+                                                       self.scheduled),
                                      media_type="text/plain; version=0.0.4")
 
-    return VllmMetrics.bind(args.get("model_name"), int(args.get("depth") or 0))
+    return VllmMetrics.bind(args.get("model_name"), int(args.get("depth") or 0),
+                            bool(args.get("scheduled")))
 
 
 # --- the application, built in-process ------------------------------------------------------------

@@ -100,7 +100,7 @@ def vllm_request(data: dict, kind):
 
 
 def error_tail(resp):
-    """A stream whose engine replica dies mid-way (tests/serve/test_serve_vllm.py, faults) ends
+    """A stream whose engine replica dies mid-way (tests/serve/test_served_vllm.py, faults) ends
     with an error event and [DONE], as the builtin app's does: Ray's ingress would close it
     like a finished one, and an OpenAI client would take the cut text for the whole answer."""
     if not isinstance(resp, StreamingResponse):

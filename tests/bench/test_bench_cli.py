@@ -82,7 +82,9 @@ def test_each_bench_has_its_own_subcommand_and_only_its_flags():
     a = p.parse_args(["load", "--drafter", "D", "--engines", "builtin", "--concurrency", "1",
                       "2", "--prompts", "4", "--max-tokens", "8"])
     assert (a.engines, a.concurrency, a.prompts, a.max_tokens, a.depth) == (
-        ["builtin"], [1, 2], 4, 8, 3)
+        ["builtin"], [1, 2], 4, 8, [3])
+    a = p.parse_args(["load", "--depth", "1", "2", "3", "--schedule", "auto", "--profile", "P"])
+    assert (a.depth, a.schedule, a.profile) == ([1, 2, 3], "auto", "P")
     assert "--address" in sub["load"]._option_string_actions
     assert "--address" not in sub["train"]._option_string_actions
 

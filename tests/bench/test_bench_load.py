@@ -1,7 +1,7 @@
 """bench load for real but tiny: the builtin engine's app (the tiny random verifier, an untrained
 drafter, depth 0 and 2 chosen per request) on the session Ray cluster, driven by vLLM's own
 `vllm bench serve` from vLLM's environment at concurrency 1 and 2, 4 prompts of 8 tokens. The
-vLLM engine's app is left out here: it takes ~2 min to start (tests/serve/test_serve_vllm.py
+vLLM engine's app is left out here: it takes ~2 min to start (tests/serve/test_served_vllm.py
 serves it). Skipped with the reason where .venv-vllm (scripts/setup_vllm.sh) is absent: the
 client lives there. ~40 s on 2 cores, most of it the app's start and the client's imports."""
 import json
@@ -32,7 +32,7 @@ def test_bench_load_on_the_builtin_app(ray_cluster, tiny_verifier, tmp_path):
         pytest.skip(why)
     drafter = untrained_drafter(tiny_verifier, str(tmp_path / "drafter"))
     out = tmp_path / "bench"
-    r = load.bench_load(drafter_dir=drafter, depth=2, engines=("builtin",), concurrency=(2,),
+    r = load.bench_load(drafter_dir=drafter, depths=(2,), engines=("builtin",), concurrency=(2,),
                         max_tokens=8, port=free_port(), out_dir=str(out),
                         verifier=tiny_verifier, texts=QUESTIONS)
     saved = json.loads((out / "load.json").read_text())
@@ -61,9 +61,17 @@ def test_bench_load_on_the_builtin_app(ray_cluster, tiny_verifier, tmp_path):
 
 
 def test_arms_and_equality_accounting():
-    assert load.load_arms(3, None) == {"depth0": {"depth": 0}, "depth3": {"depth": 3}}
+    assert load.load_arms([3], None) == {"depth0": {"depth": 0}, "depth3": {"depth": 3}}
+    assert list(load.load_arms([3, 0, 1], None)) == ["depth0", "depth1", "depth3"]
     sched = [[1, 2, 4], [3, 16, 0]]
-    assert load.load_arms(3, sched)["schedule"] == {"depth": 4, "schedule": sched}
+    assert load.load_arms([3], sched)["schedule"] == {"depth": 4, "schedule": sched}
+    # the schedule against the best fixed arm at each level (depth 0 counts as fixed)
+    lv = lambda *tps: {"levels": [{"concurrency": c, "output_throughput": t}
+                                  for c, t in zip((1, 8), tps)]}
+    arms = {"depth0": lv(10.0, 80.0), "depth2": lv(14.0, 60.0), "schedule": lv(13.3, 72.0)}
+    got = load.schedule_vs_best(arms)
+    assert [(r["concurrency"], r["best"]) for r in got] == [(1, "depth2"), (8, "depth0")]
+    assert [round(r["ratio"], 3) for r in got] == [0.95, 0.9]
     assert load.mismatches(["a", "b", "c"], ["a", "x", "c"]) == [1]
     assert load.mismatches(["a", "b"], ["a"]) == [1]                   # a failed request
     raw = {"completed": 3, "failed": 1, "num_prompts": 4, "output_throughput": 10.0,

@@ -196,3 +196,43 @@ def test_a_surface_with_its_own_batch_one_row_prices_batch_one_with_it():
     assert load.verify_batch_compute_s(p, 1, 4) == pytest.approx(36e-3)
     assert load.verify_batch_compute_s(p, 2, 1) == pytest.approx(14e-3)    # its own row
     assert load.round_batch_s(p, 1, 0) == pytest.approx(30e-3)
+
+
+# the serving engine's own rounds (profile --engine vllm): batch -> ms per depth, and without a
+# drafter. Shaped as measured on 2 CPU cores: a round costs ~the same at batch 1 and 2, then
+# grows with the batch and the depth; k = 0 pays the drafter's upkeep over plain decoding
+PLAIN = {1: 40.0, 2: 42.0, 4: 50.0, 16: 100.0}
+ROUNDS = {0: {1: 44.0, 2: 46.0, 4: 55.0, 16: 110.0},
+          1: {1: 50.0, 2: 54.0, 4: 70.0, 16: 190.0},
+          2: {1: 55.0, 2: 62.0, 4: 85.0, 16: 240.0}}
+
+
+def test_engine_rounds_price_the_schedule_and_say_where_plain_wins(tmp_path):
+    p = node(round_batch_ms=ROUNDS, plain_batch_ms=PLAIN, round_engine="vllm test")
+    path = str(tmp_path / "p.yaml")
+    profiles.save_profile(p, path)
+    assert profiles.load_profile(path) == p
+    assert load.round_batch_s(p, 3, 1) == pytest.approx(62e-3)          # between 2 and 4
+    assert load.round_batch_s(p, 32, 2) == pytest.approx(0.24 + 16 * 155 / 12 * 1e-3)  # past 16
+    assert load.engine_round_s(p, 8, None) == pytest.approx((50 + 4 * 50 / 12) * 1e-3)
+    r = load.depth_schedule([0.7, 0.6], p, max_depth=4, max_batch=32)
+    # E[tau] 1.7 at k 1, 2.12 at k 2. batch 1: k 2 2.12/55 ms = 38.5/s, k 1 34/s, plain 25/s;
+    # batch 16: k 0 16/110 ms = 145/s beats k 1 (143/s), k 2 (141/s); but plain decoding,
+    # without the drafter's upkeep, does 160/s there
+    assert r["schedule"] == [[1, 9, 2], [10, 14, 1], [15, 32, 0]]
+    assert r["num_speculative_tokens"] == 2 and r["round_engine"] == "vllm test"
+    row1 = next(x for x in r["rows"] if x["batch"] == 1)
+    assert row1["tokens_per_s_depth0"] == pytest.approx(1 / 0.040)      # plain: no drafter
+    assert row1["gain"] == pytest.approx(2.12 / 0.055 / 25.0)
+    assert any("without a drafter is faster" in w for w in r["warnings"])
+    assert any("depths above 2" in w for w in r["warnings"])
+    assert any("measured up to batch 16" in w for w in r["warnings"])
+
+
+def test_engine_rounds_come_with_plain_and_the_same_batches():
+    d = profiles.profile_to_dict(node(round_batch_ms=ROUNDS, plain_batch_ms=PLAIN))
+    for bad, msg in (({"plain_batch_ms": None}, "come together"),
+                     ({"round_batch_ms": {-1: PLAIN}}, "integers >= 0"),
+                     ({"plain_batch_ms": {1: 40.0}}, "measure them together")):
+        with pytest.raises(ValueError, match=msg):
+            profiles.profile_from_dict({**d, **bad}, "x.yaml")

@@ -137,7 +137,7 @@ def test_stop_strings(server):
 
 def test_bad_input_gets_openai_errors_and_the_replica_keeps_serving(server):
     """conftest's table of malformed requests, the same the vLLM engine answers
-    (test_serve_vllm.py), each a 4xx naming the field; n > 1, which this engine cannot do, is a
+    (test_served_vllm.py), each a 4xx naming the field; n > 1, which this engine cannot do, is a
     400 too; then the replica still serves."""
     url, cfg = server
     cases = malformed_requests(MODEL, cfg.max_model_len, cfg.max_request_bytes)
