@@ -127,7 +127,7 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     out, work = tmp_path / "gpu_check.json", tmp_path / "work"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--out", str(out),
-                        "--work", str(work), "--quality-minutes", "0.05"], cwd=tmp_path, env=env,
+                        "--work", str(work)], cwd=tmp_path, env=env,
                        capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -141,7 +141,7 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
             if gpu_check.vllm_available()
             else set())                                          # .venv-vllm built
     assert set(s) == {"extract", "train_ddp", "train_fsdp", "bench_serve", "profile",
-                      "quality_extract", "quality_train", "quality_serve", "allreduce_gloo", *vllm}
+                      "allreduce_gloo", *vllm}
     assert all(x["ok"] for x in s.values())
     assert all(s[n]["command"].startswith("eagle3-ray ") for n in s if n != "allreduce_gloo")
     f = {n: x["figures"] for n, x in s.items() if "skipped" not in x}
@@ -164,8 +164,11 @@ def test_without_cuda_the_cpu_path_runs_and_exits_0(tmp_path):
     assert sorted(f["profile"]["verify_ms"]) == ["1", "2", "3"] and f["profile"]["gpus"] == 1
     assert len(f["allreduce_gloo"]["allreduce_us"]) == len(planner.CURVE_TOKENS)
     assert (work / "train-fsdp" / "drafter" / "model.safetensors").is_file()
-    q = f["quality_serve"]                                   # served at the deepest depth, 2
+    # the quality steps (--quality-minutes) are extract / train / bench serve again at other
+    # sizes (their commands: test_the_cuda_path_runs_bf16_on_every_gpu); what they report of
+    # their served run is served_figures, here on this run's bench serve
+    q = gpu_check.served_figures(str(work / "bench" / "serve.json"))   # its deepest depth, 2
     assert q["depth"] == 2 and q["rounds"] > 0 and q["all_identical"]
     assert len(q["served_acc"]) == 2 and all(0 <= a <= 1 for a in q["served_acc"])
-    assert sorted(q["speedup_by_depth"]) == ["0", "2", "lookup2"] and q["acceptance_length"] >= 1
-    assert f["quality_train"]["steps"] >= 1 and f["quality_extract"]["samples"] > 0
+    assert sorted(q["speedup_by_depth"]) == ["0", "1", "2", "lookup2", "tree2x2"]
+    assert q["acceptance_length"] >= 1
