@@ -366,12 +366,12 @@ def profile_vllm_rounds(a, prof):
     engine; the arms' raw records beside the YAML (<out>.rounds.json)."""
     import dataclasses
     import json
+    import torch
     from eagle3_ray.engine import hf
-    from eagle3_ray.serve import profile_vllm
+    from eagle3_ray.serve import profile_vllm, vllm as serve_vllm
     from eagle3_ray.serve.app import ServeConfig
     if not a.drafter:
         raise ValueError("profile --engine vllm needs --drafter (the drafter it serves)")
-    import torch
     cfg = ServeConfig(verifier=hf.materialize(a.verifier), drafter=a.drafter, engine="vllm",
                       dtype=a.dtype, cpus_per_replica=a.cpus_per_replica,
                       gpus_per_replica=1 if torch.cuda.is_available() else 0,
@@ -382,7 +382,7 @@ def profile_vllm_rounds(a, prof):
     with open(a.out + ".rounds.json", "w") as f:
         json.dump(got, f, indent=1)
     where = (torch.cuda.get_device_name(0) if cfg.gpus_per_replica else
-             f"{max(1, round(cfg.cpus_per_replica))} CPU thread(s)")
+             f"{serve_vllm.engine_threads(cfg)} CPU thread(s)")
     what = f"{got['engine']} ({a.dtype or 'its default dtype'}, {where})"
     return dataclasses.replace(
         prof, round_batch_ms=got["round_batch_ms"], plain_batch_ms=got["plain_batch_ms"],

@@ -170,21 +170,23 @@ def depth_schedule(cond_acc: list[float], profile: NodeProfile, max_depth: int |
     reach = max_batch if surface else 1
     candidates = ([k for k in profile.round_batch_ms if k <= max_depth] if rounds
                   else list(range(max_depth + 1)))
-    depths, shown = [], []
+    depths, gains, shown = [], [], []
     for b in range(1, reach + 1):
         k, rates = _best(taus, profile, b, candidates, drafting, block_layers)
         depths.append(k)
         # depth 0 is plain decoding: with engine rounds, the engine without a drafter (a
         # schedule's 0 still runs the drafter's upkeep forward: rates[0])
         plain = b / engine_round_s(profile, b, None) if rounds else rates[0]
+        gains.append(rates[k] / plain)
         if b in SHOWN_BATCHES or b == reach or (surface and b in (
                 profile.plain_batch_ms if rounds else profile.verify_batch_ms)):
             shown.append({"batch": b, "depth": k, "tokens_per_s": rates[k],
-                          "tokens_per_s_depth0": plain, "gain": rates[k] / plain,
+                          "tokens_per_s_depth0": plain, "gain": gains[-1],
                           "round_ms": round_batch_s(profile, b, k, drafting, block_layers) * 1e3,
                           "accept_len": taus[k]})
     if rounds:
-        warnings += _engine_round_warnings(profile, taus, depths, candidates, max_batch)
+        warnings += _engine_round_warnings(profile, len(taus) - 1, gains, candidates,
+                                           max_batch)
     elif not surface:
         depths += [depths[0]] * (max_batch - 1)
         warnings.append(f"{profile.name} has no verify_batch_ms (the verify surface over batch "
@@ -217,11 +219,12 @@ def depth_schedule(cond_acc: list[float], profile: NodeProfile, max_depth: int |
             "rows": shown, "warnings": warnings}
 
 
-def _engine_round_warnings(profile: NodeProfile, taus: list[float], depths: list[int],
+def _engine_round_warnings(profile: NodeProfile, max_depth: int, gains: list[float],
                            candidates: list[int], max_batch: int) -> list[str]:
     """What a schedule priced on the engine's own rounds cannot do: depths beyond the measured
     ones, batches beyond the largest measured, and the batch sizes where the engine without a
-    drafter is faster than the schedule (its 0 still pays the drafter's upkeep)."""
+    drafter is faster than the schedule (gains[b - 1] < 1: its 0 still pays the drafter's
+    upkeep)."""
     out = []
     top = max(profile.plain_batch_ms)
     if max_batch > top:
@@ -230,11 +233,9 @@ def _engine_round_warnings(profile: NodeProfile, taus: list[float], depths: list
     if 0 not in candidates:
         out.append("round_batch_ms has no depth 0 (the drafter loaded, drafting none): the "
                    "schedule cannot turn speculation down to 0")
-    if max(candidates) < len(taus) - 1:
+    if max(candidates) < max_depth:
         out.append(f"depths above {max(candidates)} are not in round_batch_ms: not considered")
-    lose = [(b, b * taus[k] / round_batch_s(profile, b, k) / (b / engine_round_s(profile, b, None)))
-            for b, k in enumerate(depths, start=1)]
-    lose = [(b, g) for b, g in lose if g < 1 - 1e-9]
+    lose = [(b, g) for b, g in enumerate(gains, start=1) if g < 1 - 1e-9]
     if lose:
         worst = min(lose, key=lambda x: x[1])
         out.append(f"at {len(lose)} batch sizes ({lose[0][0]}..{lose[-1][0]}) the engine without "
